@@ -1,0 +1,47 @@
+# payhook: `make run` starts the whole stack, `make test` runs lint and every test.
+VENV ?= .venv
+PYTHON ?= python3
+BIN := $(VENV)/bin
+
+.PHONY: run test install services lint format unit integration e2e bench clean
+
+run: install services
+	$(BIN)/payhook up
+
+test: install services lint
+	$(BIN)/pytest
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $@
+
+services:
+	scripts/services.sh
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+format: install
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+unit: install
+	$(BIN)/pytest tests/unit
+
+integration: install services
+	$(BIN)/pytest tests/integration
+
+e2e: install services
+	$(BIN)/pytest tests/e2e
+
+bench: install services
+	$(BIN)/python -m bench.consumer
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

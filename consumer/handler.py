@@ -1,0 +1,139 @@
+"""One job: re-establish authenticity, then apply the event in one transaction."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+import structlog
+from psycopg_pool import ConnectionPool
+
+from consumer.transaction import Applied, Endpoint, apply_with_retries
+from payhook.db import Row, execute, fetch_one
+from payhook.envelope import Envelope, MalformedJob
+from payhook.errors import MalformedEvent, SignatureError
+from payhook.gateways import Event, get_gateway
+from payhook.settings import Settings
+
+log = structlog.get_logger(__name__)
+
+#: Fault point: SIGKILL this process right after the transaction commits.
+FAULT_KILL_AFTER_COMMIT = "consumer_kill_after_commit"
+
+
+@dataclass
+class Runtime:
+    """What a job needs, built once per worker process."""
+
+    settings: Settings
+    pool: ConnectionPool
+
+
+def handle(runtime: Runtime, data: object) -> Applied:
+    """Apply one job's envelope; every path ends in an outcome or an exception for RQ."""
+    try:
+        envelope = Envelope.from_json(data)
+    except MalformedJob:
+        _anomaly(runtime, "malformed_job")
+        log.error("job_malformed")
+        return Applied("malformed_job")
+    structlog.contextvars.bind_contextvars(
+        delivery_id=envelope.delivery_id, endpoint_id=envelope.endpoint_id
+    )
+    with runtime.pool.connection() as conn:
+        row = fetch_one(conn, "get_endpoint", {"endpoint_id": envelope.endpoint_id})
+        if row is None:
+            _anomaly(runtime, "unknown_endpoint", conn=conn, envelope=envelope)
+            log.error("endpoint_unknown")
+            return Applied("unknown_endpoint")
+        endpoint = Endpoint(
+            id=str(row["id"]),
+            tenant_id=str(row["tenant_id"]),
+            gateway=row["gateway"],
+            secrets=tuple(row["secrets"]),
+        )
+        structlog.contextvars.bind_contextvars(tenant_id=endpoint.tenant_id)
+        gateway = get_gateway(endpoint.gateway)
+        try:
+            # Freshness was the ingress's check; a retried job may be hours old.
+            gateway.verify(
+                envelope.headers, envelope.body, endpoint.secrets, now=None, tolerance=None
+            )
+        except SignatureError as exc:
+            _anomaly(runtime, "signature_invalid", conn=conn, envelope=envelope, endpoint=endpoint)
+            log.error("job_signature_invalid", reason=exc.__class__.__name__)
+            return Applied("signature_invalid")
+        forced = None
+        try:
+            event = gateway.parse(envelope.headers, envelope.body)
+        except MalformedEvent as exc:
+            event, forced = _unreadable(envelope, exc), "malformed"
+        structlog.contextvars.bind_contextvars(event_id=event.event_id)
+        result = apply_with_retries(
+            conn,
+            endpoint,
+            event,
+            envelope.delivery_id,
+            retries=runtime.settings.serialization_retries,
+            forced_outcome=forced,
+        )
+    if FAULT_KILL_AFTER_COMMIT in runtime.settings.faults:
+        log.warning("fault_kill_after_commit")
+        os.kill(os.getpid(), signal.SIGKILL)
+    return result
+
+
+def _unreadable(envelope: Envelope, exc: MalformedEvent) -> Event:
+    """An authentic body we cannot read, as an event that can only be recorded."""
+    event_id = envelope.headers.get("webhook-id")
+    event_type = "unreadable"
+    try:
+        data: Any = json.loads(envelope.body)
+        if isinstance(data, dict):
+            event_id = event_id or (data.get("id") if isinstance(data.get("id"), str) else None)
+            if isinstance(data.get("type"), str):
+                event_type = data["type"][:255]
+    except ValueError:
+        pass
+    log.error("event_malformed", reason=str(exc))
+    return Event(
+        event_id=event_id or f"delivery:{envelope.delivery_id}",
+        event_type=event_type,
+        kind=None,
+        occurred_at=None,
+        gateway_order_id=None,
+        merchant_reference=None,
+        amount_minor=None,
+        currency=None,
+        digest=hashlib.sha256(envelope.body).hexdigest(),
+    )
+
+
+def _anomaly(
+    runtime: Runtime,
+    kind: str,
+    *,
+    conn: psycopg.Connection[Row] | None = None,
+    envelope: Envelope | None = None,
+    endpoint: Endpoint | None = None,
+) -> None:
+    params = {
+        "tenant_id": endpoint.tenant_id if endpoint else None,
+        "event_id": None,
+        "endpoint_id": envelope.endpoint_id if envelope else None,
+        "delivery_id": envelope.delivery_id if envelope else None,
+        "kind": kind,
+        "stored_sha256": None,
+        "received_sha256": hashlib.sha256(envelope.body).hexdigest() if envelope else None,
+    }
+    if conn is not None:
+        with conn.transaction():
+            execute(conn, "insert_anomaly", params)
+        return
+    with runtime.pool.connection() as own, own.transaction():
+        execute(own, "insert_anomaly", params)

@@ -1,0 +1,47 @@
+"""Wiring of a consumer process: settings, logging, pool, Redis, worker."""
+
+from __future__ import annotations
+
+import structlog
+from rq.serializers import JSONSerializer
+
+from consumer.handler import Runtime
+from consumer.jobs import install_runtime
+from consumer.worker import PayhookJob, PayhookWorker
+from payhook.db import create_pool
+from payhook.logs import configure_logging
+from payhook.queue import events_queue, redis_connection
+from payhook.settings import Settings
+
+log = structlog.get_logger(__name__)
+
+
+def build_worker(settings: Settings) -> PayhookWorker:
+    connection = redis_connection(settings)
+    queue = events_queue(connection, settings)
+    worker = PayhookWorker(
+        [queue],
+        connection=connection,
+        serializer=JSONSerializer,
+        job_class=PayhookJob,
+        maintenance_interval=settings.maintenance_interval,
+    )
+    worker.job_grace = settings.job_grace
+    return worker
+
+
+def run(settings: Settings, burst: bool = False) -> int:
+    """Run one worker on the events queue until stopped (or the queue is empty, with burst)."""
+    configure_logging(settings.log_level)
+    pool = create_pool(settings, "consumer", size=2)
+    pool.open(wait=False)
+    install_runtime(Runtime(settings=settings, pool=pool))
+    try:
+        worker = build_worker(settings)
+        log.info("consumer_started", queue=settings.queue, worker=worker.name, burst=burst)
+        # The scheduler moves retried jobs back onto the queue after their interval.
+        worker.work(burst=burst, with_scheduler=True, logging_level="WARNING")
+    finally:
+        install_runtime(None)
+        pool.close()
+    return 0

@@ -1,0 +1,252 @@
+"""The one transaction that applies an authentic event, exactly once.
+
+    1 insert the receipt (tenant_id, event_id) ON CONFLICT DO NOTHING
+    2 it existed: stop (a different digest is a security anomaly)
+    3 lock the mapped order FOR UPDATE
+    4 compare identifiers, amount, currency and state   (consumer.rules)
+    5 one forward transition and its audit row
+    6 the outbox row
+    7 mark the receipt processed with its outcome; commit
+
+Locks are always taken receipt first, then order, so two events never wait
+on each other in opposite orders.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+import structlog
+from psycopg.types.json import Jsonb
+
+from consumer.rules import Decision, Order, decide
+from payhook.db import Row, execute, fetch_all, fetch_one
+from payhook.gateways import Event
+
+log = structlog.get_logger(__name__)
+
+#: SQLSTATEs retried inside the job: serialization_failure, deadlock_detected.
+RETRYABLE = (psycopg.errors.SerializationFailure, psycopg.errors.DeadlockDetected)
+#: Seconds of the first backoff after a retryable failure; doubles each time.
+RETRY_BASE_DELAY = 0.02
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    id: str
+    tenant_id: str
+    gateway: str
+    secrets: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Applied:
+    """What the transaction did with one delivery."""
+
+    outcome: str
+    order_id: str | None = None
+    exception_id: int | None = None
+    retries: int = 0
+
+
+class TooManyRetries(Exception):
+    """The transaction kept failing with serialization failures or deadlocks."""
+
+
+def apply_with_retries(
+    conn: psycopg.Connection[Row],
+    endpoint: Endpoint,
+    event: Event,
+    delivery_id: str,
+    *,
+    retries: int,
+    forced_outcome: str | None = None,
+) -> Applied:
+    """`apply_event`, retried on serialization failures and deadlocks with jittered backoff."""
+    attempt = 0
+    while True:
+        try:
+            result = apply_event(conn, endpoint, event, delivery_id, forced_outcome=forced_outcome)
+        except RETRYABLE as exc:
+            attempt += 1
+            log.warning(
+                "transaction_retry",
+                sqlstate=exc.sqlstate,
+                attempt=attempt,
+                event_id=event.event_id,
+            )
+            if attempt > retries:
+                raise TooManyRetries(f"{attempt} attempts, last {exc.sqlstate}") from exc
+            time.sleep(random.uniform(0, RETRY_BASE_DELAY * 2**attempt))
+            continue
+        return Applied(result.outcome, result.order_id, result.exception_id, retries=attempt)
+
+
+def apply_event(
+    conn: psycopg.Connection[Row],
+    endpoint: Endpoint,
+    event: Event,
+    delivery_id: str,
+    *,
+    forced_outcome: str | None = None,
+) -> Applied:
+    """Apply one authentic event in one transaction; safe to call any number of times.
+
+    `forced_outcome` records the receipt with that outcome and changes nothing
+    else (`ignored` for unknown types, `malformed` for unreadable bodies).
+    """
+    key = {"tenant_id": endpoint.tenant_id, "event_id": event.event_id}
+    with conn.transaction():
+        inserted = fetch_one(
+            conn,
+            "insert_receipt",
+            key
+            | {
+                "event_type": event.event_type,
+                "digest": event.digest,
+                "endpoint_id": endpoint.id,
+                "gateway": endpoint.gateway,
+                "delivery_id": delivery_id,
+                "occurred_at": event.occurred_at,
+            },
+        )
+        if inserted is None:
+            return _duplicate(conn, endpoint, event, delivery_id)
+
+        if forced_outcome is not None or event.kind is None:
+            outcome = forced_outcome or "ignored"
+            exception_id = None
+            if outcome == "malformed":
+                exception_id = _record_exception(conn, endpoint, event, None, Decision(outcome))
+            _mark(conn, key, outcome, None)
+            return Applied(outcome, exception_id=exception_id)
+
+        rows = fetch_all(
+            conn,
+            "lock_order",
+            {
+                "tenant_id": endpoint.tenant_id,
+                "merchant_reference": event.merchant_reference,
+                "gateway_order_id": event.gateway_order_id,
+            },
+        )
+        orders = [_order(row) for row in rows]
+        decision = decide(event, orders)
+        order_id = orders[0].id if len(orders) == 1 else None
+
+        exception_id = None
+        if decision.outcome == "applied":
+            assert orders and decision.to_state is not None
+            _transition(conn, endpoint, event, orders[0], decision)
+        elif decision.is_exception:
+            exception_id = _record_exception(conn, endpoint, event, order_id, decision)
+        _mark(conn, key, decision.outcome, order_id)
+    return Applied(decision.outcome, order_id, exception_id)
+
+
+def _duplicate(
+    conn: psycopg.Connection[Row], endpoint: Endpoint, event: Event, delivery_id: str
+) -> Applied:
+    existing = fetch_one(
+        conn, "get_receipt", {"tenant_id": endpoint.tenant_id, "event_id": event.event_id}
+    )
+    assert existing is not None, "the conflicting receipt is committed"
+    if existing["payload_sha256"] == event.digest:
+        return Applied("duplicate")
+    execute(
+        conn,
+        "insert_anomaly",
+        {
+            "tenant_id": endpoint.tenant_id,
+            "event_id": event.event_id,
+            "endpoint_id": endpoint.id,
+            "delivery_id": delivery_id,
+            "kind": "digest_conflict",
+            "stored_sha256": existing["payload_sha256"],
+            "received_sha256": event.digest,
+        },
+    )
+    return Applied("digest_conflict")
+
+
+def _transition(
+    conn: psycopg.Connection[Row],
+    endpoint: Endpoint,
+    event: Event,
+    order: Order,
+    decision: Decision,
+) -> None:
+    params: dict[str, Any] = {
+        "tenant_id": endpoint.tenant_id,
+        "order_id": order.id,
+        "event_id": event.event_id,
+        "from_state": order.state,
+        "to_state": decision.to_state,
+        "refunded_minor": decision.refunded_minor,
+        "amount_minor": event.amount_minor,
+    }
+    updated = execute(conn, "update_order_state", params)
+    assert updated == 1, "the order is locked, its state cannot have moved"
+    execute(conn, "insert_transition", params)
+    if decision.action is not None:
+        payload = {
+            "action": decision.action,
+            "tenant_id": endpoint.tenant_id,
+            "order_id": order.id,
+            "merchant_reference": order.merchant_reference,
+            "event_id": event.event_id,
+            "state": decision.to_state,
+            "amount_minor": event.amount_minor,
+            "currency": order.currency,
+        }
+        execute(
+            conn,
+            "insert_outbox",
+            params | {"id": uuid.uuid4(), "action": decision.action, "payload": Jsonb(payload)},
+        )
+
+
+def _record_exception(
+    conn: psycopg.Connection[Row],
+    endpoint: Endpoint,
+    event: Event,
+    order_id: str | None,
+    decision: Decision,
+) -> int:
+    row = fetch_one(
+        conn,
+        "insert_exception",
+        {
+            "tenant_id": endpoint.tenant_id,
+            "event_id": event.event_id,
+            "order_id": order_id,
+            "kind": decision.outcome,
+            "detail": Jsonb(decision.detail),
+            "event": Jsonb(event.to_json() | {"endpoint_id": endpoint.id}),
+        },
+    )
+    assert row is not None
+    return int(row["id"])
+
+
+def _mark(
+    conn: psycopg.Connection[Row], key: dict[str, Any], outcome: str, order_id: str | None
+) -> None:
+    execute(conn, "mark_receipt_processed", key | {"outcome": outcome, "order_id": order_id})
+
+
+def _order(row: Row) -> Order:
+    return Order(
+        id=str(row["id"]),
+        merchant_reference=row["merchant_reference"],
+        gateway_order_id=row["gateway_order_id"],
+        amount_minor=row["amount_minor"],
+        currency=row["currency"],
+        state=row["state"],
+        refunded_minor=row["refunded_minor"],
+    )

@@ -1,0 +1,65 @@
+"""An RQ worker that runs only payhook's own job functions.
+
+The JSON serializer keeps pickle out, but RQ would still import whatever
+function name a job carries; anyone able to write to Redis could run
+`os.system`. `PayhookJob` refuses every function and callback that is not
+allowlisted, and such a job fails at once, without retries.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rq.job import Job
+from rq.worker import SimpleWorker
+
+from payhook.errors import ForbiddenJob
+from payhook.queue import APPLY_EVENT
+
+#: The only job functions a consumer will import and call.
+ALLOWED_FUNCTIONS = frozenset({APPLY_EVENT})
+
+
+class PayhookJob(Job):
+    @property
+    def func(self) -> Any:
+        if self.func_name not in ALLOWED_FUNCTIONS or self.instance is not None:
+            self.retries_left = 0
+            raise ForbiddenJob(
+                f"job {self.id} names {self.func_name!r}, which payhook does not run"
+            )
+        return super().func
+
+    @property
+    def success_callback(self) -> Any:
+        return self._refuse_callback(self._success_callback_name)
+
+    @property
+    def failure_callback(self) -> Any:
+        return self._refuse_callback(self._failure_callback_name)
+
+    @property
+    def stopped_callback(self) -> Any:
+        return self._refuse_callback(self._stopped_callback_name)
+
+    def _refuse_callback(self, name: str | None) -> None:
+        if name:
+            self.retries_left = 0
+            raise ForbiddenJob(f"job {self.id} names callback {name!r}; payhook runs none")
+        return None
+
+
+class PayhookWorker(SimpleWorker):
+    """Runs jobs in its own process (no fork per job), so the pool is reused.
+
+    An abandoned job (worker SIGKILLed) is retried once its execution entry
+    expires: job timeout + `job_grace` seconds after it started, found by the
+    next maintenance pass.
+    """
+
+    job_class = PayhookJob
+    job_grace = 15
+
+    def get_heartbeat_ttl(self, job: Job, working_time: float = 0.0) -> int:
+        timeout = job.timeout if job.timeout and job.timeout > 0 else 180
+        return int(timeout) + self.job_grace

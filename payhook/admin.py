@@ -1,0 +1,133 @@
+"""Tenants, endpoints and orders: what operators create by hand."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+import psycopg
+
+from payhook.db import Row, execute, fetch_one
+from payhook.errors import NotFound, PayhookError
+from payhook.gateways import generate_secret, get_gateway, standard
+
+
+class AlreadyExists(PayhookError):
+    """A record with that identity already exists."""
+
+
+@dataclass(frozen=True)
+class NewEndpoint:
+    endpoint_id: str
+    secret: str
+    url_path: str
+
+
+def add_tenant(conn: psycopg.Connection[Row], name: str, fulfilment_url: str | None = None) -> str:
+    if not name.strip():
+        raise PayhookError("a tenant needs a non-empty name")
+    if fulfilment_url is not None and not fulfilment_url.startswith(("http://", "https://")):
+        raise PayhookError("--fulfilment-url must be an http:// or https:// URL")
+    tenant_id = str(uuid.uuid4())
+    with conn.transaction():
+        execute(
+            conn,
+            "insert_tenant",
+            {
+                "id": tenant_id,
+                "name": name,
+                "fulfilment_url": fulfilment_url,
+                "signing_secret": standard.generate_secret(),
+            },
+        )
+    return tenant_id
+
+
+def add_endpoint(
+    conn: psycopg.Connection[Row], tenant_id: str, gateway: str, secret: str | None = None
+) -> NewEndpoint:
+    get_gateway(gateway)
+    secret = secret or generate_secret(gateway)
+    if gateway == "standard":
+        try:
+            standard.secret_key(secret)
+        except ValueError as exc:
+            raise PayhookError(f"--secret: {exc}") from None
+    endpoint_id = str(uuid.uuid4())
+    try:
+        with conn.transaction():
+            execute(
+                conn,
+                "insert_endpoint",
+                {
+                    "tenant_id": _uuid(tenant_id, "--tenant"),
+                    "id": endpoint_id,
+                    "gateway": gateway,
+                    "secrets": [secret],
+                },
+            )
+    except psycopg.errors.ForeignKeyViolation:
+        raise NotFound(f"no tenant {tenant_id}") from None
+    return NewEndpoint(endpoint_id, secret, f"/webhooks/{endpoint_id}")
+
+
+def rotate_endpoint_secret(
+    conn: psycopg.Connection[Row], endpoint_id: str, secret: str | None = None
+) -> str:
+    """Add a new secret in front of the old ones; both verify until retired."""
+    with conn.transaction():
+        row = fetch_one(conn, "get_endpoint", {"endpoint_id": _uuid(endpoint_id, "endpoint")})
+        if row is None:
+            raise NotFound(f"no endpoint {endpoint_id}")
+        secret = secret or generate_secret(row["gateway"])
+        execute(conn, "add_endpoint_secret", {"id": endpoint_id, "secret": secret})
+    return secret
+
+
+def retire_old_secrets(conn: psycopg.Connection[Row], endpoint_id: str) -> None:
+    with conn.transaction():
+        if execute(conn, "retire_endpoint_secrets", {"id": _uuid(endpoint_id, "endpoint")}) != 1:
+            raise NotFound(f"no endpoint {endpoint_id}")
+
+
+def add_order(
+    conn: psycopg.Connection[Row],
+    tenant_id: str,
+    merchant_reference: str,
+    gateway_order_id: str,
+    amount_minor: int,
+    currency: str,
+) -> str:
+    if amount_minor <= 0:
+        raise PayhookError("--amount must be a positive number of minor units")
+    if len(currency) != 3 or not currency.isalpha():
+        raise PayhookError("--currency must be a three-letter code such as EUR")
+    order_id = str(uuid.uuid4())
+    try:
+        with conn.transaction():
+            execute(
+                conn,
+                "insert_order",
+                {
+                    "tenant_id": _uuid(tenant_id, "--tenant"),
+                    "id": order_id,
+                    "merchant_reference": merchant_reference,
+                    "gateway_order_id": gateway_order_id,
+                    "amount_minor": amount_minor,
+                    "currency": currency.upper(),
+                },
+            )
+    except psycopg.errors.ForeignKeyViolation:
+        raise NotFound(f"no tenant {tenant_id}") from None
+    except psycopg.errors.UniqueViolation as exc:
+        constraint = exc.diag.constraint_name or ""
+        what = "merchant reference" if "merchant_reference" in constraint else "gateway order id"
+        raise AlreadyExists(f"the tenant already has an order with that {what}") from None
+    return order_id
+
+
+def _uuid(value: str, name: str) -> str:
+    try:
+        return str(uuid.UUID(value))
+    except ValueError:
+        raise PayhookError(f"{name}: expected a UUID, got {value!r}") from None

@@ -1,0 +1,222 @@
+"""The `payhook` command: parse arguments, build settings, call one function.
+
+Each process's wiring lives in its component's `main` module; they are
+imported only by the command that runs them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+
+import psycopg
+
+from payhook.errors import PayhookError
+from payhook.logs import configure_logging
+from payhook.settings import Settings
+
+#: Commands that run a service and configure their own logging (to stdout).
+SERVICES = frozenset({"ingress", "consumer", "outbox-worker", "dashboard", "up"})
+
+Command = Callable[[argparse.Namespace, Settings], int]
+
+
+def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
+    from payhook.migrations import apply_migrations
+
+    applied = apply_migrations(settings)
+    print(f"applied {len(applied)} migration(s)" + (": " + ", ".join(applied) if applied else ""))
+    return 0
+
+
+def cmd_tenants_add(args: argparse.Namespace, settings: Settings) -> int:
+    from payhook.admin import add_tenant
+    from payhook.db import connect
+
+    with connect(settings) as conn:
+        print(add_tenant(conn, args.name, args.fulfilment_url))
+    return 0
+
+
+def cmd_endpoints_add(args: argparse.Namespace, settings: Settings) -> int:
+    from payhook.admin import add_endpoint
+    from payhook.db import connect
+
+    with connect(settings) as conn:
+        endpoint = add_endpoint(conn, args.tenant, args.gateway, args.secret)
+    print(json.dumps(endpoint.__dict__))
+    return 0
+
+
+def cmd_endpoints_rotate(args: argparse.Namespace, settings: Settings) -> int:
+    from payhook.admin import rotate_endpoint_secret
+    from payhook.db import connect
+
+    with connect(settings) as conn:
+        secret = rotate_endpoint_secret(conn, args.endpoint, args.secret)
+    print(json.dumps({"endpoint_id": args.endpoint, "secret": secret}))
+    return 0
+
+
+def cmd_endpoints_retire(args: argparse.Namespace, settings: Settings) -> int:
+    from payhook.admin import retire_old_secrets
+    from payhook.db import connect
+
+    with connect(settings) as conn:
+        retire_old_secrets(conn, args.endpoint)
+    print(json.dumps({"endpoint_id": args.endpoint, "retired": True}))
+    return 0
+
+
+def cmd_orders_add(args: argparse.Namespace, settings: Settings) -> int:
+    from payhook.admin import add_order
+    from payhook.db import connect
+
+    with connect(settings) as conn:
+        print(
+            add_order(
+                conn,
+                args.tenant,
+                args.merchant_ref,
+                args.gateway_order_id,
+                args.amount,
+                args.currency,
+            )
+        )
+    return 0
+
+
+def cmd_consumer(args: argparse.Namespace, settings: Settings) -> int:
+    from consumer.main import run
+
+    return run(settings, burst=args.burst)
+
+
+def cmd_ingress(args: argparse.Namespace, settings: Settings) -> int:
+    from ingress.main import run
+
+    return run(settings, host=args.host, port=args.port, workers=args.workers)
+
+
+def cmd_outbox_worker(args: argparse.Namespace, settings: Settings) -> int:
+    from outbox_worker.main import run
+
+    return run(settings, once=args.once)
+
+
+def cmd_outbox(args: argparse.Namespace, settings: Settings) -> int:
+    from payhook.outbox_admin import run
+
+    return run(args, settings)
+
+
+def cmd_send(args: argparse.Namespace, settings: Settings) -> int:
+    from payhook.sender import run
+
+    return run(args, settings)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="payhook", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(
+        name: str,
+        func: Command,
+        help: str,
+        sub: argparse._SubParsersAction[argparse.ArgumentParser] = commands,
+    ) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help, description=help)
+        p.set_defaults(func=func)
+        return p
+
+    add("migrate", cmd_migrate, "apply pending migrations (safe to run twice or concurrently)")
+
+    tenants = commands.add_parser("tenants", help="manage tenants").add_subparsers(
+        dest="action", required=True, metavar="ACTION"
+    )
+    p = add("add", cmd_tenants_add, "create a tenant and print its id", tenants)
+    p.add_argument("name")
+    p.add_argument("--fulfilment-url", help="where the outbox worker POSTs fulfilment")
+
+    endpoints = commands.add_parser("endpoints", help="manage webhook endpoints").add_subparsers(
+        dest="action", required=True, metavar="ACTION"
+    )
+    p = add("add", cmd_endpoints_add, "create an endpoint; prints JSON", endpoints)
+    p.add_argument("--tenant", required=True)
+    p.add_argument("--gateway", required=True, choices=["standard", "stripe"])
+    p.add_argument("--secret", help="the signing secret (generated when omitted)")
+    p = add("rotate", cmd_endpoints_rotate, "add a new secret; old ones still verify", endpoints)
+    p.add_argument("endpoint")
+    p.add_argument("--secret", help="the new secret (generated when omitted)")
+    p = add("retire-secrets", cmd_endpoints_retire, "keep only the newest secret", endpoints)
+    p.add_argument("endpoint")
+
+    orders = commands.add_parser("orders", help="manage orders").add_subparsers(
+        dest="action", required=True, metavar="ACTION"
+    )
+    p = add("add", cmd_orders_add, "create an order awaiting payment; prints its id", orders)
+    p.add_argument("--tenant", required=True)
+    p.add_argument("--merchant-ref", required=True)
+    p.add_argument("--gateway-order-id", required=True)
+    p.add_argument("--amount", required=True, type=int, help="in minor units (cents)")
+    p.add_argument("--currency", required=True)
+
+    p = add("ingress", cmd_ingress, "run the webhook ingress under uvicorn")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--workers", type=int, default=1)
+
+    p = add("consumer", cmd_consumer, "run one RQ worker on the events queue")
+    p.add_argument("--burst", action="store_true", help="exit once the queue is empty")
+
+    p = add("outbox-worker", cmd_outbox_worker, "run the outbox delivery loop")
+    p.add_argument("--once", action="store_true", help="deliver what is due, then exit")
+
+    outbox = commands.add_parser("outbox", help="inspect and retry outbox rows").add_subparsers(
+        dest="action", required=True, metavar="ACTION"
+    )
+    p = add("list", cmd_outbox, "list outbox rows", outbox)
+    p.add_argument("--state", choices=["pending", "delivered", "dead"])
+    p.add_argument("--limit", type=int, default=50)
+    p = add("retry", cmd_outbox, "make one dead or pending row due now", outbox)
+    p.add_argument("id")
+    add("retry-dead", cmd_outbox, "make every dead row due again", outbox)
+
+    p = add("send", cmd_send, "sign and POST a test event, like a gateway would")
+    p.add_argument("--url", required=True, help="the endpoint's full webhook URL")
+    p.add_argument("--gateway", default="standard", choices=["standard", "stripe"])
+    p.add_argument("--secret", required=True)
+    p.add_argument("--type", default="payment.succeeded", help="the gateway's event type")
+    p.add_argument("--merchant-ref")
+    p.add_argument("--gateway-order-id", required=True)
+    p.add_argument("--amount", type=int, required=True, help="in minor units")
+    p.add_argument("--currency", default="EUR")
+    p.add_argument("--event-id", help="fixed event id (default: a new one)")
+    p.add_argument("--copies", type=int, default=1, help="send the same signed event N times")
+    p.add_argument("--concurrency", type=int, default=1)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        settings = Settings.from_env(os.environ)
+        if args.command not in SERVICES:
+            configure_logging(settings.log_level, stream=sys.stderr)
+        return int(args.func(args, settings))
+    except PayhookError as exc:
+        print(f"payhook: error: {exc}", file=sys.stderr)
+        return 2
+    except psycopg.OperationalError as exc:
+        print(f"payhook: error: PostgreSQL: {exc}".rstrip(), file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""PostgreSQL access: the connection pool and named-query helpers."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import psycopg
+from psycopg.rows import dict_row
+from psycopg_pool import ConnectionPool
+
+from payhook.queries import query
+from payhook.settings import Settings
+
+#: Seconds a new connection may take before the pool gives up on it.
+CONNECT_TIMEOUT = 5
+#: Application name every payhook connection carries, visible in pg_stat_activity.
+APPLICATION_NAME = "payhook"
+
+Row = dict[str, Any]
+
+
+def connection_kwargs(component: str) -> dict[str, Any]:
+    """Options for every connection a payhook process opens."""
+    return {
+        "autocommit": True,
+        "row_factory": dict_row,
+        "application_name": f"{APPLICATION_NAME}-{component}",
+        "connect_timeout": CONNECT_TIMEOUT,
+    }
+
+
+def create_pool(settings: Settings, component: str, *, size: int | None = None) -> ConnectionPool:
+    """A closed pool; the process opens it when it starts (`pool.open()`)."""
+    size = size or settings.db_pool_size
+    return ConnectionPool(
+        settings.database_url,
+        min_size=1,
+        max_size=size,
+        kwargs=connection_kwargs(component),
+        open=False,
+        name=component,
+        timeout=10,
+        reconnect_timeout=60,
+    )
+
+
+def connect(
+    settings: Settings, component: str = "cli", **overrides: Any
+) -> psycopg.Connection[Row]:
+    """One connection, for commands and tests."""
+    kwargs = connection_kwargs(component) | overrides
+    return psycopg.connect(settings.database_url, **kwargs)
+
+
+def fetch_one(
+    conn: psycopg.Connection[Row], name: str, params: Mapping[str, Any] | None = None
+) -> Row | None:
+    """Run a named query; its first row or None."""
+    return conn.execute(query(name), params or {}).fetchone()
+
+
+def fetch_all(
+    conn: psycopg.Connection[Row], name: str, params: Mapping[str, Any] | None = None
+) -> list[Row]:
+    """Run a named query; all its rows."""
+    return conn.execute(query(name), params or {}).fetchall()
+
+
+def execute(
+    conn: psycopg.Connection[Row], name: str, params: Mapping[str, Any] | None = None
+) -> int:
+    """Run a named query; the number of rows it touched."""
+    return conn.execute(query(name), params or {}).rowcount

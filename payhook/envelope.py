@@ -1,0 +1,67 @@
+"""The job payload the ingress enqueues and the consumer applies.
+
+The raw body travels base64-encoded, so the consumer re-verifies the exact
+bytes the gateway signed. Only the gateway's signature headers travel.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from payhook.errors import PayhookError
+
+#: Version of the envelope format.
+ENVELOPE_VERSION = 1
+
+
+class MalformedJob(PayhookError):
+    """The job's envelope is not one payhook wrote."""
+
+
+@dataclass(frozen=True)
+class Envelope:
+    endpoint_id: str
+    body: bytes
+    headers: Mapping[str, str]
+    received_at: datetime
+    delivery_id: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "v": ENVELOPE_VERSION,
+            "endpoint_id": self.endpoint_id,
+            "body_b64": base64.b64encode(self.body).decode(),
+            "headers": dict(self.headers),
+            "received_at": self.received_at.isoformat(),
+            "delivery_id": self.delivery_id,
+        }
+
+    @classmethod
+    def from_json(cls, data: object) -> Envelope:
+        """Read an envelope back; `MalformedJob` for anything else."""
+        if not isinstance(data, dict) or data.get("v") != ENVELOPE_VERSION:
+            raise MalformedJob()
+        try:
+            headers = data["headers"]
+            if not isinstance(headers, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in headers.items()
+            ):
+                raise MalformedJob()
+            received_at = datetime.fromisoformat(data["received_at"])
+            if received_at.tzinfo is None:
+                raise MalformedJob()
+            return cls(
+                endpoint_id=str(uuid.UUID(data["endpoint_id"])),
+                body=base64.b64decode(data["body_b64"], validate=True),
+                headers={k.lower(): v for k, v in headers.items()},
+                received_at=received_at,
+                delivery_id=str(uuid.UUID(data["delivery_id"])),
+            )
+        except (KeyError, TypeError, ValueError, binascii.Error):
+            raise MalformedJob() from None

@@ -1,0 +1,50 @@
+"""The errors payhook raises. Each docstring is the default message."""
+
+from __future__ import annotations
+
+
+class PayhookError(Exception):
+    """payhook failed."""
+
+    def __init__(self, message: str | None = None) -> None:
+        super().__init__(message or self.__doc__)
+
+
+class SettingsError(PayhookError):
+    """A setting is missing or malformed."""
+
+
+class QueryFileError(PayhookError):
+    """A named-query file is malformed."""
+
+
+class MigrationError(PayhookError):
+    """A migration could not be applied."""
+
+
+class NotFound(PayhookError):
+    """No such record."""
+
+
+class SignatureError(PayhookError):
+    """The request is not authentic."""
+
+
+class MalformedHeaders(SignatureError):
+    """The signature headers are missing or malformed."""
+
+
+class SignatureMismatch(SignatureError):
+    """No signature matches any of the endpoint's secrets."""
+
+
+class TimestampOutOfTolerance(SignatureError):
+    """The signed timestamp is too old or too far in the future."""
+
+
+class MalformedEvent(PayhookError):
+    """The authenticated body is not an event payhook can read."""
+
+
+class ForbiddenJob(PayhookError):
+    """The job names a function payhook does not run."""

@@ -1,0 +1,27 @@
+"""Gateway adapters: verify a raw request, normalize its event."""
+
+from __future__ import annotations
+
+from payhook.gateways import standard, stripe
+from payhook.gateways.base import KINDS, Event, Gateway
+
+GATEWAYS: dict[str, Gateway] = {
+    "standard": standard.StandardGateway(),
+    "stripe": stripe.StripeGateway(),
+}
+
+
+def get_gateway(name: str) -> Gateway:
+    try:
+        return GATEWAYS[name]
+    except KeyError:
+        raise ValueError(f"unknown gateway {name!r}; expected one of {sorted(GATEWAYS)}") from None
+
+
+def generate_secret(gateway: str) -> str:
+    """A fresh endpoint secret in the gateway's format."""
+    get_gateway(gateway)
+    return standard.generate_secret() if gateway == "standard" else stripe.generate_secret()
+
+
+__all__ = ["GATEWAYS", "KINDS", "Event", "Gateway", "generate_secret", "get_gateway"]

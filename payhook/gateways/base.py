@@ -1,0 +1,133 @@
+"""What every gateway adapter provides, and the event shape they normalize to."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from datetime import datetime
+from typing import Any, Protocol
+
+from payhook.errors import MalformedEvent, TimestampOutOfTolerance
+
+#: The event kinds payhook acts on; any other gateway type is recorded and ignored.
+KINDS = ("succeeded", "failed", "refunded", "disputed")
+
+
+@dataclass(frozen=True)
+class Event:
+    """One gateway event in payhook's terms. Amounts are in minor units."""
+
+    event_id: str
+    #: The gateway's own type name, as recorded on the receipt.
+    event_type: str
+    #: One of KINDS, or None for a type payhook does not act on.
+    kind: str | None
+    occurred_at: datetime | None
+    gateway_order_id: str | None
+    merchant_reference: str | None
+    amount_minor: int | None
+    currency: str | None
+    #: sha256 of the canonical JSON of the business content.
+    digest: str
+    #: For refunds: True when amount_minor is the total refunded so far
+    #: (Stripe's `amount_refunded`), False when it is this refund alone.
+    cumulative: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["occurred_at"] = self.occurred_at.isoformat() if self.occurred_at else None
+        return data
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Event:
+        values = dict(data)
+        if values.get("occurred_at"):
+            values["occurred_at"] = datetime.fromisoformat(values["occurred_at"])
+        return cls(**values)
+
+
+class Gateway(Protocol):
+    """Verify a raw request against an endpoint's secrets; read its event."""
+
+    name: str
+    #: Lower-case names of the headers that carry the signature.
+    signature_headers: tuple[str, ...]
+
+    def verify(
+        self,
+        headers: Mapping[str, str],
+        body: bytes,
+        secrets: Sequence[str],
+        *,
+        now: float | None,
+        tolerance: float | None,
+    ) -> None:
+        """Raise a `SignatureError` unless the request is authentic.
+
+        `tolerance=None` skips the freshness check (the consumer re-verifies a
+        request the ingress already found fresh).
+        """
+
+    def parse(self, headers: Mapping[str, str], body: bytes) -> Event:
+        """The normalized event of an authentic request; `MalformedEvent` if unreadable."""
+
+
+def canonical_digest(content: Any) -> str:
+    """sha256 hex of canonical JSON: sorted keys, no whitespace, UTF-8."""
+    text = json.dumps(content, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def check_tolerance(timestamp: int, now: float | None, tolerance: float | None) -> None:
+    if tolerance is None:
+        return
+    if now is None:
+        raise ValueError("now is required with a tolerance")
+    if abs(now - timestamp) > tolerance:
+        raise TimestampOutOfTolerance()
+
+
+def any_signature_matches(expected: Sequence[bytes], given: Sequence[bytes]) -> bool:
+    """Constant-time comparison of every given signature with every expected one."""
+    found = False
+    for want in expected:
+        for got in given:
+            # No short-circuit: every pair is compared.
+            found |= hmac.compare_digest(want, got)
+    return found
+
+
+def load_json_object(body: bytes) -> dict[str, Any]:
+    try:
+        data = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise MalformedEvent(f"body is not JSON: {exc.__class__.__name__}") from None
+    if not isinstance(data, dict):
+        raise MalformedEvent("body is not a JSON object")
+    return data
+
+
+def require_str(data: Mapping[str, Any], key: str, *, optional: bool = False) -> str | None:
+    value = data.get(key)
+    if value is None and optional:
+        return None
+    if not isinstance(value, str) or not value or len(value) > 255:
+        raise MalformedEvent(f"{key}: expected a non-empty string")
+    return value
+
+
+def require_amount(data: Mapping[str, Any], key: str) -> int:
+    value = data.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0 or value >= 2**62:
+        raise MalformedEvent(f"{key}: expected a whole number of minor units")
+    return value
+
+
+def require_currency(data: Mapping[str, Any], key: str) -> str:
+    value = data.get(key)
+    if not isinstance(value, str) or len(value) != 3 or not value.isalpha():
+        raise MalformedEvent(f"{key}: expected a three-letter currency code")
+    return value.upper()

@@ -1,0 +1,136 @@
+"""Standard Webhooks (standardwebhooks.com).
+
+Headers `webhook-id`, `webhook-timestamp` and `webhook-signature`, the last a
+space-separated list of `v1,<base64>`; HMAC-SHA256 over
+`{id}.{timestamp}.{body}` keyed with the base64-decoded `whsec_` secret.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import hmac
+import secrets as random
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+
+from payhook.errors import MalformedEvent, MalformedHeaders, SignatureMismatch
+from payhook.gateways.base import (
+    Event,
+    any_signature_matches,
+    canonical_digest,
+    check_tolerance,
+    load_json_object,
+    require_amount,
+    require_currency,
+    require_str,
+)
+
+#: Seconds a signed timestamp may differ from our clock.
+TOLERANCE = 300
+SECRET_PREFIX = "whsec_"
+TYPES = {
+    "payment.succeeded": "succeeded",
+    "payment.failed": "failed",
+    "payment.refunded": "refunded",
+    "payment.disputed": "disputed",
+}
+
+
+def generate_secret() -> str:
+    """`whsec_` and the base64 of 32 random bytes."""
+    return SECRET_PREFIX + base64.b64encode(random.token_bytes(32)).decode()
+
+
+def secret_key(secret: str) -> bytes:
+    encoded = secret.removeprefix(SECRET_PREFIX)
+    try:
+        return base64.b64decode(encoded, validate=True)
+    except binascii.Error:
+        raise ValueError("a Standard Webhooks secret is whsec_ and base64") from None
+
+
+def sign(secret: str, event_id: str, timestamp: int, body: bytes) -> str:
+    """The `webhook-signature` header value for one secret."""
+    content = f"{event_id}.{timestamp}.".encode() + body
+    digest = hmac.new(secret_key(secret), content, hashlib.sha256).digest()
+    return "v1," + base64.b64encode(digest).decode()
+
+
+class StandardGateway:
+    name = "standard"
+    signature_headers = ("webhook-id", "webhook-timestamp", "webhook-signature")
+
+    def verify(
+        self,
+        headers: Mapping[str, str],
+        body: bytes,
+        secrets: Sequence[str],
+        *,
+        now: float | None,
+        tolerance: float | None = TOLERANCE,
+    ) -> None:
+        event_id, timestamp, signatures = _read_headers(headers)
+        check_tolerance(timestamp, now, tolerance)
+        content = f"{event_id}.{timestamp}.".encode() + body
+        expected = [
+            hmac.new(secret_key(secret), content, hashlib.sha256).digest() for secret in secrets
+        ]
+        if not any_signature_matches(expected, signatures):
+            raise SignatureMismatch()
+
+    def parse(self, headers: Mapping[str, str], body: bytes) -> Event:
+        event_id = headers.get("webhook-id", "")
+        data = load_json_object(body)
+        event_type = require_str(data, "type")
+        assert event_type is not None
+        kind = TYPES.get(event_type)
+        digest = canonical_digest(data)
+        occurred_at = _parse_time(data.get("timestamp"))
+        payment = data.get("data")
+        if kind is None:
+            return Event(event_id, event_type, None, occurred_at, None, None, None, None, digest)
+        if not isinstance(payment, dict):
+            raise MalformedEvent("data: expected an object")
+        return Event(
+            event_id=event_id,
+            event_type=event_type,
+            kind=kind,
+            occurred_at=occurred_at,
+            gateway_order_id=require_str(payment, "gateway_order_id"),
+            merchant_reference=require_str(payment, "merchant_reference", optional=True),
+            amount_minor=require_amount(payment, "amount"),
+            currency=require_currency(payment, "currency"),
+            digest=digest,
+        )
+
+
+def _read_headers(headers: Mapping[str, str]) -> tuple[str, int, list[bytes]]:
+    event_id = headers.get("webhook-id", "")
+    raw_timestamp = headers.get("webhook-timestamp", "")
+    raw_signature = headers.get("webhook-signature", "")
+    if not event_id or len(event_id) > 255 or not raw_signature:
+        raise MalformedHeaders()
+    if not raw_timestamp.isascii() or not raw_timestamp.isdigit() or len(raw_timestamp) > 12:
+        raise MalformedHeaders()
+    signatures: list[bytes] = []
+    for entry in raw_signature.split():
+        scheme, _, value = entry.partition(",")
+        if scheme != "v1":
+            continue  # unknown schemes (v1a, future versions) are ignored
+        try:
+            signatures.append(base64.b64decode(value, validate=True))
+        except binascii.Error:
+            continue
+    return event_id, int(raw_timestamp), signatures
+
+
+def _parse_time(value: object) -> datetime | None:
+    if not isinstance(value, str):
+        return None
+    try:
+        parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return parsed if parsed.tzinfo else None

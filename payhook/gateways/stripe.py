@@ -1,0 +1,136 @@
+"""Stripe webhooks.
+
+Header `Stripe-Signature: t=<unix>,v1=<hex>[,v1=<hex>...]`, HMAC-SHA256 over
+`{t}.{body}` keyed with the endpoint secret as it is. The event id is the
+body's `id`. Stripe rewrites delivery fields between redeliveries, so the
+digest leaves them out.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import secrets as random
+from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime
+
+from payhook.errors import MalformedEvent, MalformedHeaders, SignatureMismatch
+from payhook.gateways.base import (
+    Event,
+    any_signature_matches,
+    canonical_digest,
+    check_tolerance,
+    load_json_object,
+    require_amount,
+    require_currency,
+    require_str,
+)
+
+#: Seconds a signed timestamp may differ from our clock (Stripe's default).
+TOLERANCE = 300
+#: Top-level fields Stripe changes from one delivery of an event to the next.
+DELIVERY_FIELDS = frozenset({"pending_webhooks", "request"})
+TYPES = {
+    "payment_intent.succeeded": "succeeded",
+    "payment_intent.payment_failed": "failed",
+    "charge.refunded": "refunded",
+    "charge.dispute.created": "disputed",
+}
+
+
+def generate_secret() -> str:
+    return "whsec_" + base64.b32encode(random.token_bytes(20)).decode().lower().rstrip("=")
+
+
+def sign(secret: str, timestamp: int, body: bytes) -> str:
+    """The `Stripe-Signature` header value for one secret."""
+    digest = hmac.new(secret.encode(), f"{timestamp}.".encode() + body, hashlib.sha256)
+    return f"t={timestamp},v1={digest.hexdigest()}"
+
+
+class StripeGateway:
+    name = "stripe"
+    signature_headers = ("stripe-signature",)
+
+    def verify(
+        self,
+        headers: Mapping[str, str],
+        body: bytes,
+        secrets: Sequence[str],
+        *,
+        now: float | None,
+        tolerance: float | None = TOLERANCE,
+    ) -> None:
+        timestamp, signatures = _read_header(headers.get("stripe-signature", ""))
+        check_tolerance(timestamp, now, tolerance)
+        content = f"{timestamp}.".encode() + body
+        expected = [
+            hmac.new(secret.encode(), content, hashlib.sha256).hexdigest().encode()
+            for secret in secrets
+        ]
+        if not any_signature_matches(expected, signatures):
+            raise SignatureMismatch()
+
+    def parse(self, headers: Mapping[str, str], body: bytes) -> Event:
+        data = load_json_object(body)
+        event_id = require_str(data, "id")
+        event_type = require_str(data, "type")
+        assert event_id is not None and event_type is not None
+        business = {k: v for k, v in data.items() if k not in DELIVERY_FIELDS}
+        digest = canonical_digest(business)
+        created = data.get("created")
+        occurred_at = (
+            datetime.fromtimestamp(created, UTC)
+            if isinstance(created, int) and not isinstance(created, bool) and 0 < created < 2**35
+            else None
+        )
+        kind = TYPES.get(event_type)
+        if kind is None:
+            return Event(event_id, event_type, None, occurred_at, None, None, None, None, digest)
+        container = data.get("data")
+        obj = container.get("object") if isinstance(container, dict) else None
+        if not isinstance(obj, dict):
+            raise MalformedEvent("data.object: expected an object")
+        metadata = obj.get("metadata")
+        reference = (
+            require_str(metadata, "order_id", optional=True) if isinstance(metadata, dict) else None
+        )
+        if event_type.startswith("payment_intent."):
+            order_id, amount = require_str(obj, "id"), require_amount(obj, "amount")
+        elif event_type == "charge.refunded":
+            order_id, amount = (
+                require_str(obj, "payment_intent"),
+                require_amount(obj, "amount_refunded"),
+            )
+        else:
+            order_id, amount = require_str(obj, "payment_intent"), require_amount(obj, "amount")
+        return Event(
+            event_id=event_id,
+            event_type=event_type,
+            kind=kind,
+            occurred_at=occurred_at,
+            gateway_order_id=order_id,
+            merchant_reference=reference,
+            amount_minor=amount,
+            currency=require_currency(obj, "currency"),
+            digest=digest,
+            cumulative=event_type == "charge.refunded",
+        )
+
+
+def _read_header(header: str) -> tuple[int, list[bytes]]:
+    timestamp: int | None = None
+    signatures: list[bytes] = []
+    for item in header.split(","):
+        key, _, value = item.strip().partition("=")
+        if key == "t":
+            if not value.isascii() or not value.isdigit() or len(value) > 12:
+                raise MalformedHeaders()
+            timestamp = int(value)
+        elif key == "v1":
+            signatures.append(value.encode())
+        # other schemes (v0, ...) are ignored
+    if timestamp is None:
+        raise MalformedHeaders()
+    return timestamp, signatures

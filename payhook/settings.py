@@ -1,0 +1,145 @@
+"""Configuration from the environment, read once per process.
+
+Every setting is named here with its default. A missing or malformed value
+raises `SettingsError` naming the variable, so a process fails at start rather
+than at the first event.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from payhook.errors import SettingsError
+
+DEFAULT_DATABASE_URL = "postgresql://postgres@127.0.0.1:5432/payhook"
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+DEFAULT_QUEUE = "payhook-events"
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
+
+
+class Secret(str):
+    """A string that never shows itself in a repr or a log line."""
+
+    def __repr__(self) -> str:
+        return "Secret('**********')"
+
+
+def parse_duration(name: str, raw: str) -> float:
+    """`"90"`, `"90s"`, `"5m"`, `"400d"` or `"250ms"` as seconds."""
+    match = _DURATION.match(raw)
+    if match is None:
+        raise SettingsError(f"{name}: expected a duration such as 30s, 5m or 400d, got {raw!r}")
+    return float(match.group(1)) * _UNITS[match.group(2)]
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything a payhook process reads from its environment."""
+
+    database_url: str = DEFAULT_DATABASE_URL
+    redis_url: str = DEFAULT_REDIS_URL
+    queue: str = DEFAULT_QUEUE
+    #: Environment name of the process, for logs (`PAYHOOK_ENV`).
+    env: str = "dev"
+    #: Log level name (`PAYHOOK_LOG_LEVEL`).
+    log_level: str = "INFO"
+    #: Connections per process in the PostgreSQL pool.
+    db_pool_size: int = 4
+    #: Seconds a consumer job may run before RQ kills it.
+    job_timeout: int = 30
+    #: Seconds, added to the job timeout, before an abandoned job is retried.
+    job_grace: int = 15
+    #: Seconds between RQ maintenance passes that requeue abandoned jobs.
+    maintenance_interval: int = 30
+    #: RQ retries of one event job after a connection error, with these
+    #: intervals in seconds.
+    job_retry_intervals: tuple[int, ...] = (2, 5, 15, 30, 60, 120, 300, 600)
+    #: In-job retries of a transaction after a serialization failure or deadlock.
+    serialization_retries: int = 5
+    #: Largest request body the ingress reads, in bytes.
+    max_body: int = 256 * 1024
+    #: Seconds between refreshes of the ingress endpoint cache.
+    endpoint_refresh: float = 2.0
+    #: Seconds the ingress waits for Redis before answering 503.
+    enqueue_timeout: float = 2.0
+    #: Seconds an outbox row may stay undelivered before it alerts.
+    outbox_sla: float = 300.0
+    #: Seconds a receipt is kept before it moves to the archive.
+    receipt_retention: float = 400 * 86400.0
+    #: Fault points a test enables (`PAYHOOK_FAULTS=a,b`); empty in production.
+    faults: frozenset[str] = field(default_factory=frozenset)
+    #: Everything else under the `PAYHOOK_` prefix, for components that add
+    #: their own settings.
+    extra: Mapping[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> Settings:
+        """Build settings from a mapping such as `os.environ`."""
+        values: dict[str, Any] = {
+            "database_url": Secret(environ.get("DATABASE_URL") or DEFAULT_DATABASE_URL),
+            "redis_url": Secret(environ.get("REDIS_URL") or DEFAULT_REDIS_URL),
+            "queue": environ.get("PAYHOOK_QUEUE") or DEFAULT_QUEUE,
+        }
+        _check_url("DATABASE_URL", values["database_url"], ("postgresql://", "postgres://"))
+        _check_url("REDIS_URL", values["redis_url"], ("redis://", "rediss://", "unix://"))
+        ints = {
+            "db_pool_size": "PAYHOOK_DB_POOL_SIZE",
+            "job_timeout": "PAYHOOK_JOB_TIMEOUT",
+            "job_grace": "PAYHOOK_JOB_GRACE",
+            "maintenance_interval": "PAYHOOK_MAINTENANCE_INTERVAL",
+            "serialization_retries": "PAYHOOK_SERIALIZATION_RETRIES",
+            "max_body": "PAYHOOK_MAX_BODY",
+        }
+        for attr, name in ints.items():
+            if name in environ:
+                values[attr] = _positive_int(name, environ[name])
+        durations = {
+            "endpoint_refresh": "PAYHOOK_ENDPOINT_REFRESH",
+            "enqueue_timeout": "PAYHOOK_ENQUEUE_TIMEOUT",
+            "outbox_sla": "PAYHOOK_OUTBOX_SLA",
+            "receipt_retention": "PAYHOOK_RECEIPT_RETENTION",
+        }
+        for attr, name in durations.items():
+            if name in environ:
+                values[attr] = parse_duration(name, environ[name])
+        if "PAYHOOK_JOB_RETRY_INTERVALS" in environ:
+            raw = environ["PAYHOOK_JOB_RETRY_INTERVALS"]
+            values["job_retry_intervals"] = tuple(
+                _positive_int("PAYHOOK_JOB_RETRY_INTERVALS", part) for part in raw.split(",")
+            )
+        if "PAYHOOK_LOG_LEVEL" in environ:
+            level = environ["PAYHOOK_LOG_LEVEL"].upper()
+            if level not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
+                raise SettingsError(
+                    f"PAYHOOK_LOG_LEVEL: expected DEBUG, INFO, WARNING or ERROR, got {level!r}"
+                )
+            values["log_level"] = level
+        values["env"] = environ.get("PAYHOOK_ENV", "dev")
+        faults = environ.get("PAYHOOK_FAULTS", "")
+        values["faults"] = frozenset(f.strip() for f in faults.split(",") if f.strip())
+        values["extra"] = {k: v for k, v in environ.items() if k.startswith("PAYHOOK_")}
+        return cls(**values)
+
+    def get(self, name: str, default: str | None = None) -> str | None:
+        """A `PAYHOOK_*` variable not modelled above."""
+        return self.extra.get(name, default)
+
+
+def _check_url(name: str, value: str, schemes: tuple[str, ...]) -> None:
+    if not value.startswith(schemes):
+        raise SettingsError(f"{name}: expected a URL starting with {' or '.join(schemes)}")
+
+
+def _positive_int(name: str, raw: str) -> int:
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise SettingsError(f"{name}: expected a whole number, got {raw!r}") from None
+    if value <= 0:
+        raise SettingsError(f"{name}: expected a number above zero, got {value}")
+    return value

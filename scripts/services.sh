@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Make sure PostgreSQL and Redis answer on 127.0.0.1; start local servers when
+# they do not. Used by `make test` and `make run` on a fresh machine.
+set -euo pipefail
+
+PGHOST=${PGHOST:-127.0.0.1}
+PGPORT=${PGPORT:-5432}
+REDIS_PORT=${REDIS_PORT:-6379}
+
+pg_up() { pg_isready -q -h "$PGHOST" -p "$PGPORT" 2>/dev/null; }
+redis_up() { redis-cli -h 127.0.0.1 -p "$REDIS_PORT" ping 2>/dev/null | grep -q PONG; }
+
+wait_for() {
+  local what=$1 check=$2
+  for _ in $(seq 1 60); do
+    if $check; then return 0; fi
+    sleep 0.5
+  done
+  echo "services: $what did not come up" >&2
+  return 1
+}
+
+if ! command -v pg_isready >/dev/null || ! ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1; then
+  echo "services: installing PostgreSQL from Debian packages" >&2
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null
+fi
+if ! command -v redis-server >/dev/null; then
+  echo "services: installing Redis from Debian packages" >&2
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+fi
+
+if ! pg_up; then
+  echo "services: starting PostgreSQL on $PGHOST:$PGPORT" >&2
+  if command -v pg_ctlcluster >/dev/null && [ -n "$(ls /etc/postgresql 2>/dev/null)" ]; then
+    version=$(ls /etc/postgresql | sort -V | tail -n 1)
+    pg_ctlcluster --skip-systemctl-redirect "$version" main start || true
+  fi
+  if ! wait_for PostgreSQL pg_up 2>/dev/null; then
+    # No Debian cluster: a throwaway one with trust auth, owned by `postgres`.
+    bin=$(ls -d /usr/lib/postgresql/*/bin | sort -V | tail -n 1)
+    data=${PAYHOOK_PGDATA:-/var/tmp/payhook-pgdata}
+    id postgres >/dev/null 2>&1 || useradd --system --home "$data" postgres
+    mkdir -p "$data" && chown postgres "$data"
+    as_pg() { if [ "$(id -u)" = 0 ]; then runuser -u postgres -- "$@"; else "$@"; fi; }
+    [ -f "$data/PG_VERSION" ] || as_pg "$bin/initdb" -D "$data" -U postgres --auth=trust >/dev/null
+    as_pg "$bin/pg_ctl" -D "$data" -l "$data/server.log" -w \
+      -o "-c listen_addresses=$PGHOST -p $PGPORT -k /tmp" start >/dev/null
+    wait_for PostgreSQL pg_up
+  fi
+fi
+
+if ! redis_up; then
+  echo "services: starting Redis on 127.0.0.1:$REDIS_PORT" >&2
+  mkdir -p /var/tmp/payhook-redis
+  redis-server --daemonize yes --bind 127.0.0.1 --port "$REDIS_PORT" \
+    --dir /var/tmp/payhook-redis --appendonly yes --appendfsync always \
+    --logfile /var/tmp/payhook-redis/redis.log
+  wait_for Redis redis_up
+fi
+echo "services: PostgreSQL and Redis answer" >&2

@@ -1,0 +1,34 @@
+-- insert_tenant --
+-- A new tenant.
+INSERT INTO payhook.tenants (id, name, fulfilment_url, signing_secret)
+VALUES (%(id)s, %(name)s, %(fulfilment_url)s, %(signing_secret)s)
+
+-- get_tenant --
+-- One tenant.
+SELECT id, name, fulfilment_url, created_at FROM payhook.tenants WHERE id = %(id)s
+
+-- insert_endpoint --
+-- A webhook endpoint of a tenant.
+INSERT INTO payhook.webhook_endpoints (tenant_id, id, gateway, secrets)
+VALUES (%(tenant_id)s, %(id)s, %(gateway)s, %(secrets)s)
+
+-- add_endpoint_secret --
+-- Start a rotation: the new secret first, the old ones still accepted.
+UPDATE payhook.webhook_endpoints
+   SET secrets = array_prepend(%(secret)s::text, secrets), rotated_at = now()
+ WHERE id = %(id)s
+RETURNING id
+
+-- retire_endpoint_secrets --
+-- End a rotation: keep only the newest secret.
+UPDATE payhook.webhook_endpoints
+   SET secrets = secrets[1:1], rotated_at = now()
+ WHERE id = %(id)s
+RETURNING id
+
+-- insert_order --
+-- A local order awaiting payment.
+INSERT INTO payhook.payment_orders
+       (tenant_id, id, merchant_reference, gateway_order_id, amount_minor, currency)
+VALUES (%(tenant_id)s, %(id)s, %(merchant_reference)s, %(gateway_order_id)s,
+        %(amount_minor)s, %(currency)s)

@@ -1,0 +1,24 @@
+-- create_migrations_table --
+-- The record of applied migrations, created before the first one runs.
+CREATE SCHEMA IF NOT EXISTS payhook;
+CREATE TABLE IF NOT EXISTS payhook.schema_migrations (
+    version integer PRIMARY KEY,
+    name text NOT NULL,
+    applied_at timestamptz NOT NULL DEFAULT now()
+)
+
+-- applied_migrations --
+-- Versions already applied.
+SELECT version FROM payhook.schema_migrations ORDER BY version
+
+-- record_migration --
+-- Mark one migration applied, in the migration's own transaction.
+INSERT INTO payhook.schema_migrations (version, name) VALUES (%(version)s, %(name)s)
+
+-- lock_migrations --
+-- Session advisory lock: one migration run at a time.
+SELECT pg_advisory_lock(%(key)s)
+
+-- unlock_migrations --
+-- Release the migration lock.
+SELECT pg_advisory_unlock(%(key)s)

@@ -1,0 +1,94 @@
+"""Fixtures over real PostgreSQL and Redis.
+
+A session fixture migrates a template database; each test that writes gets
+its own `CREATE DATABASE ... TEMPLATE` copy. Redis tests use their own db
+number, flushed before and after. A missing service fails the test loudly.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+
+import psycopg
+import pytest
+from psycopg import sql
+from redis import Redis
+
+from payhook.db import Row, connect
+from payhook.migrations import apply_migrations
+from payhook.settings import Settings
+from tests.factories import Factory
+
+#: Server the tests create their databases on.
+PG_SERVER = os.environ.get("PAYHOOK_TEST_PG", "postgresql://postgres@127.0.0.1:5432")
+#: Redis database the tests own and flush.
+REDIS_TEST_URL = os.environ.get("PAYHOOK_TEST_REDIS", "redis://127.0.0.1:6379/15")
+TEMPLATE = f"payhook_test_template_{os.getpid()}"
+
+
+def _admin() -> psycopg.Connection[tuple[object, ...]]:
+    return psycopg.connect(f"{PG_SERVER}/postgres", autocommit=True, connect_timeout=5)
+
+
+def test_settings(database: str, **extra: str) -> Settings:
+    env = {
+        "DATABASE_URL": f"{PG_SERVER}/{database}",
+        "REDIS_URL": REDIS_TEST_URL,
+        "PAYHOOK_QUEUE": "payhook-test-events",
+    } | extra
+    return Settings.from_env(env)
+
+
+test_settings.__test__ = False  # type: ignore[attr-defined]
+
+
+@pytest.fixture(scope="session")
+def template_db() -> Iterator[str]:
+    with _admin() as conn:
+        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(TEMPLATE)))
+    apply_migrations(test_settings(TEMPLATE))
+    yield TEMPLATE
+    with _admin() as conn:
+        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(TEMPLATE)))
+
+
+@pytest.fixture
+def database(template_db: str) -> Iterator[str]:
+    """A fresh, migrated database of this test's own."""
+    name = f"payhook_test_{uuid.uuid4().hex[:12]}"
+    with _admin() as conn:
+        conn.execute(
+            sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
+                sql.Identifier(name), sql.Identifier(template_db)
+            )
+        )
+    yield name
+    with _admin() as conn:
+        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+
+
+@pytest.fixture
+def redis_conn() -> Iterator[Redis]:
+    conn = Redis.from_url(REDIS_TEST_URL)
+    conn.flushdb()
+    yield conn
+    conn.flushdb()
+    conn.close()
+
+
+@pytest.fixture
+def settings(database: str, redis_conn: Redis) -> Settings:
+    return test_settings(database)
+
+
+@pytest.fixture
+def conn(settings: Settings) -> Iterator[psycopg.Connection[Row]]:
+    with connect(settings, "test") as connection:
+        yield connection
+
+
+@pytest.fixture
+def factory(conn: psycopg.Connection[Row]) -> Factory:
+    return Factory(conn)

@@ -1,0 +1,154 @@
+"""Tenants, endpoints, orders and signed events for tests."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import psycopg
+
+from payhook import admin
+from payhook.db import Row
+from payhook.envelope import Envelope
+from payhook.gateways import standard, stripe
+
+
+@dataclass
+class Shop:
+    """A tenant with one endpoint."""
+
+    tenant_id: str
+    endpoint_id: str
+    secret: str
+    gateway: str
+
+
+@dataclass
+class StandardEvent:
+    """A Standard Webhooks event and how to sign it."""
+
+    type: str = "payment.succeeded"
+    gateway_order_id: str = "pi_1"
+    merchant_reference: str | None = "order-1"
+    amount: int = 1999
+    currency: str = "EUR"
+    event_id: str = field(default_factory=lambda: f"msg_{uuid.uuid4().hex}")
+    timestamp: int = field(default_factory=lambda: int(time.time()))
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def body(self) -> bytes:
+        data: dict[str, Any] = {
+            "gateway_order_id": self.gateway_order_id,
+            "amount": self.amount,
+            "currency": self.currency,
+        }
+        if self.merchant_reference is not None:
+            data["merchant_reference"] = self.merchant_reference
+        payload = {
+            "type": self.type,
+            "timestamp": datetime.fromtimestamp(self.timestamp, UTC).isoformat(),
+            "data": data | self.extra,
+        }
+        return json.dumps(payload).encode()
+
+    def headers(self, secret: str, body: bytes | None = None) -> dict[str, str]:
+        body = self.body() if body is None else body
+        return {
+            "webhook-id": self.event_id,
+            "webhook-timestamp": str(self.timestamp),
+            "webhook-signature": standard.sign(secret, self.event_id, self.timestamp, body),
+        }
+
+
+def stripe_body(
+    event_type: str = "payment_intent.succeeded",
+    *,
+    event_id: str | None = None,
+    payment_intent: str = "pi_1",
+    order_ref: str | None = "order-1",
+    amount: int = 1999,
+    currency: str = "eur",
+    pending_webhooks: int = 1,
+) -> bytes:
+    metadata = {"order_id": order_ref} if order_ref else {}
+    if event_type.startswith("payment_intent."):
+        obj: dict[str, Any] = {"id": payment_intent, "object": "payment_intent", "amount": amount}
+    elif event_type == "charge.refunded":
+        obj = {"id": "ch_1", "object": "charge", "payment_intent": payment_intent,
+               "amount": amount, "amount_refunded": amount}
+    else:
+        obj = {"id": "dp_1", "object": "dispute", "payment_intent": payment_intent, "amount": amount}
+    obj |= {"currency": currency, "metadata": metadata}
+    event = {
+        "id": event_id or f"evt_{uuid.uuid4().hex}",
+        "object": "event",
+        "api_version": "2024-06-20",
+        "created": int(time.time()),
+        "type": event_type,
+        "livemode": False,
+        "pending_webhooks": pending_webhooks,
+        "request": {"id": f"req_{uuid.uuid4().hex[:8]}", "idempotency_key": None},
+        "data": {"object": obj},
+    }
+    return json.dumps(event).encode()
+
+
+def stripe_headers(secret: str, body: bytes, timestamp: int | None = None) -> dict[str, str]:
+    return {"stripe-signature": stripe.sign(secret, timestamp or int(time.time()), body)}
+
+
+def envelope(shop: Shop, body: bytes, headers: dict[str, str]) -> Envelope:
+    return Envelope(
+        endpoint_id=shop.endpoint_id,
+        body=body,
+        headers=headers,
+        received_at=datetime.now(UTC),
+        delivery_id=str(uuid.uuid4()),
+    )
+
+
+class Factory:
+    def __init__(self, conn: psycopg.Connection[Row]) -> None:
+        self.conn = conn
+
+    def shop(self, gateway: str = "standard", fulfilment_url: str | None = None) -> Shop:
+        tenant_id = admin.add_tenant(self.conn, f"shop-{uuid.uuid4().hex[:6]}", fulfilment_url)
+        endpoint = admin.add_endpoint(self.conn, tenant_id, gateway)
+        return Shop(tenant_id, endpoint.endpoint_id, endpoint.secret, gateway)
+
+    def order(
+        self,
+        shop: Shop,
+        merchant_reference: str = "order-1",
+        gateway_order_id: str = "pi_1",
+        amount: int = 1999,
+        currency: str = "EUR",
+    ) -> str:
+        return admin.add_order(
+            self.conn, shop.tenant_id, merchant_reference, gateway_order_id, amount, currency
+        )
+
+    def standard_envelope(self, shop: Shop, event: StandardEvent) -> Envelope:
+        body = event.body()
+        return envelope(shop, body, event.headers(shop.secret, body))
+
+    def count(self, table: str, **where: Any) -> int:
+        clause = " AND ".join(f"{k} = %({k})s" for k in where) or "true"
+        row = self.conn.execute(
+            f"SELECT count(*) AS n FROM payhook.{table} WHERE {clause}",  # type: ignore[arg-type]
+            where,
+        ).fetchone()
+        assert row is not None
+        return int(row["n"])
+
+    def order_state(self, shop: Shop, order_id: str) -> str:
+        row = self.conn.execute(
+            "SELECT state FROM payhook.payment_orders WHERE tenant_id = %s AND id = %s",
+            (shop.tenant_id, order_id),
+        ).fetchone()
+        assert row is not None
+        return str(row["state"])
