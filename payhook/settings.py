@@ -97,7 +97,7 @@ class Settings:
         }
         for attr, name in ints.items():
             if name in environ:
-                values[attr] = _positive_int(name, environ[name])
+                values[attr] = positive_int(name, environ[name])
         durations = {
             "endpoint_refresh": "PAYHOOK_ENDPOINT_REFRESH",
             "enqueue_timeout": "PAYHOOK_ENQUEUE_TIMEOUT",
@@ -110,7 +110,7 @@ class Settings:
         if "PAYHOOK_JOB_RETRY_INTERVALS" in environ:
             raw = environ["PAYHOOK_JOB_RETRY_INTERVALS"]
             values["job_retry_intervals"] = tuple(
-                _positive_int("PAYHOOK_JOB_RETRY_INTERVALS", part) for part in raw.split(",")
+                positive_int("PAYHOOK_JOB_RETRY_INTERVALS", part) for part in raw.split(",")
             )
         if "PAYHOOK_LOG_LEVEL" in environ:
             level = environ["PAYHOOK_LOG_LEVEL"].upper()
@@ -135,7 +135,7 @@ def _check_url(name: str, value: str, schemes: tuple[str, ...]) -> None:
         raise SettingsError(f"{name}: expected a URL starting with {' or '.join(schemes)}")
 
 
-def _positive_int(name: str, raw: str) -> int:
+def positive_int(name: str, raw: str) -> int:
     try:
         value = int(raw.strip())
     except ValueError:

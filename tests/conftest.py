@@ -47,11 +47,15 @@ test_settings.__test__ = False  # type: ignore[attr-defined]
 @pytest.fixture(scope="session")
 def template_db() -> Iterator[str]:
     with _admin() as conn:
-        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(TEMPLATE)))
+        conn.execute(
+            sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(TEMPLATE))
+        )
     apply_migrations(test_settings(TEMPLATE))
     yield TEMPLATE
     with _admin() as conn:
-        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(TEMPLATE)))
+        conn.execute(
+            sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(TEMPLATE))
+        )
 
 
 @pytest.fixture
@@ -66,7 +70,9 @@ def database(template_db: str) -> Iterator[str]:
         )
     yield name
     with _admin() as conn:
-        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+        conn.execute(
+            sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+        )
 
 
 @pytest.fixture

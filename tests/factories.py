@@ -78,10 +78,20 @@ def stripe_body(
     if event_type.startswith("payment_intent."):
         obj: dict[str, Any] = {"id": payment_intent, "object": "payment_intent", "amount": amount}
     elif event_type == "charge.refunded":
-        obj = {"id": "ch_1", "object": "charge", "payment_intent": payment_intent,
-               "amount": amount, "amount_refunded": amount}
+        obj = {
+            "id": "ch_1",
+            "object": "charge",
+            "payment_intent": payment_intent,
+            "amount": amount,
+            "amount_refunded": amount,
+        }
     else:
-        obj = {"id": "dp_1", "object": "dispute", "payment_intent": payment_intent, "amount": amount}
+        obj = {
+            "id": "dp_1",
+            "object": "dispute",
+            "payment_intent": payment_intent,
+            "amount": amount,
+        }
     obj |= {"currency": currency, "metadata": metadata}
     event = {
         "id": event_id or f"evt_{uuid.uuid4().hex}",
