@@ -88,6 +88,11 @@ def ensure_database(settings: Settings) -> bool:
             conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(dbname)))
         except psycopg.errors.DuplicateDatabase:
             return False
+        except psycopg.errors.UniqueViolation as exc:
+            # Another process created it between our check and our CREATE.
+            if exc.diag.constraint_name != "pg_database_datname_index":
+                raise
+            return False
     log.info("database_created", dbname=dbname)
     return True
 

@@ -45,10 +45,14 @@ def generate_secret() -> str:
 
 def secret_key(secret: str) -> bytes:
     encoded = secret.removeprefix(SECRET_PREFIX)
+    padded = encoded + "=" * (-len(encoded) % 4)
     try:
-        return base64.b64decode(encoded, validate=True)
+        key = base64.b64decode(padded, validate=True)
     except binascii.Error:
         raise ValueError("a Standard Webhooks secret is whsec_ and base64") from None
+    if not key:
+        raise ValueError("a Standard Webhooks secret may not be empty")
+    return key
 
 
 def sign(secret: str, event_id: str, timestamp: int, body: bytes) -> str:

@@ -5,12 +5,13 @@ from __future__ import annotations
 import threading
 from collections import Counter
 
+import psycopg
 import pytest
 
 from consumer.handler import Runtime, handle
 from payhook.db import create_pool
 from payhook.settings import Settings
-from tests.factories import Factory, StandardEvent
+from tests.factories import Factory, StandardEvent, envelope, stripe_body, stripe_headers
 
 
 @pytest.fixture
@@ -65,3 +66,193 @@ def test_twenty_threads_apply_one_event_once(
     assert factory.count("payment_event_receipts") == 1
     assert factory.count("payment_order_transitions", order_id=order_id) == 1
     assert factory.count("payment_outbox", order_id=order_id) == 1
+
+
+@pytest.mark.parametrize(
+    ("change", "outcome"),
+    [
+        ({"amount": 1000}, "amount_mismatch"),
+        ({"currency": "USD"}, "currency_mismatch"),
+        ({"merchant_reference": "order-2"}, "identity_mismatch"),
+        ({"merchant_reference": "nobody", "gateway_order_id": "pi_nobody"}, "unmapped_order"),
+    ],
+)
+def test_invalid_event_changes_nothing_and_records_one_exception(
+    runtime: Runtime, factory: Factory, change: dict[str, object], outcome: str
+) -> None:
+    shop = factory.shop()
+    order_id = factory.order(shop)
+    factory.order(shop, merchant_reference="order-2", gateway_order_id="pi_2")
+    event = StandardEvent(**change)  # type: ignore[arg-type]
+    assert apply(runtime, factory, shop, event) == outcome
+    assert apply(runtime, factory, shop, event) == "duplicate"
+    assert factory.order_state(shop, order_id) == "pending"
+    assert factory.count("payment_outbox") == 0
+    assert factory.count("payment_order_transitions") == 0
+    assert factory.count("payment_exceptions", kind=outcome, event_id=event.event_id) == 1
+    assert factory.count("payment_event_receipts", outcome=outcome) == 1
+
+
+def test_same_event_id_with_other_content_is_an_anomaly_without_effect(
+    runtime: Runtime, factory: Factory
+) -> None:
+    shop = factory.shop()
+    order_id = factory.order(shop)
+    first = StandardEvent(type="payment.failed")
+    assert apply(runtime, factory, shop, first) == "applied"
+    forged = StandardEvent(event_id=first.event_id, type="payment.succeeded")
+    assert apply(runtime, factory, shop, forged) == "digest_conflict"
+    assert factory.order_state(shop, order_id) == "failed"
+    assert factory.count("security_anomalies", kind="digest_conflict", event_id=first.event_id) == 1
+    assert factory.count("payment_outbox", action="fulfil_order") == 0
+    row = factory.conn.execute(
+        "SELECT stored_sha256, received_sha256 FROM payhook.security_anomalies"
+    ).fetchone()
+    assert row is not None and row["stored_sha256"] != row["received_sha256"]
+
+
+def test_stripe_redelivery_differing_in_pending_webhooks_is_a_plain_duplicate(
+    runtime: Runtime, factory: Factory
+) -> None:
+    shop = factory.shop("stripe")
+    order_id = factory.order(shop)
+    first = stripe_body(event_id="evt_1", pending_webhooks=2)
+    again = stripe_body(event_id="evt_1", pending_webhooks=1)
+    assert first != again
+    outcomes = [
+        handle(runtime, envelope(shop, body, stripe_headers(shop.secret, body)).to_json()).outcome
+        for body in (first, again)
+    ]
+    assert outcomes == ["applied", "duplicate"]
+    assert factory.count("security_anomalies") == 0
+    assert factory.order_state(shop, order_id) == "paid"
+
+
+def test_two_gateway_payments_for_one_order_fulfil_once_and_raise_one_exception(
+    runtime: Runtime, factory: Factory
+) -> None:
+    shop = factory.shop()
+    order_id = factory.order(shop)
+    assert apply(runtime, factory, shop, StandardEvent()) == "applied"
+    second = StandardEvent(gateway_order_id="pi_second")
+    assert apply(runtime, factory, shop, second) == "second_payment"
+    assert factory.count("payment_outbox", action="fulfil_order", order_id=order_id) == 1
+    assert factory.count("payment_exceptions", kind="second_payment") == 1
+
+
+def test_same_gateway_payment_under_a_new_event_id_is_a_no_op(
+    runtime: Runtime, factory: Factory
+) -> None:
+    shop = factory.shop()
+    factory.order(shop)
+    assert apply(runtime, factory, shop, StandardEvent()) == "applied"
+    assert apply(runtime, factory, shop, StandardEvent()) == "already_applied"
+    assert factory.count("payment_outbox") == 1
+    assert factory.count("payment_exceptions") == 0
+
+
+def test_unknown_event_type_is_recorded_and_ignored(runtime: Runtime, factory: Factory) -> None:
+    shop = factory.shop()
+    order_id = factory.order(shop)
+    assert apply(runtime, factory, shop, StandardEvent(type="customer.updated")) == "ignored"
+    assert factory.count("payment_event_receipts", outcome="ignored") == 1
+    assert factory.order_state(shop, order_id) == "pending"
+
+
+def test_event_on_tenant_a_naming_tenant_b_changes_nothing_of_b(
+    runtime: Runtime, factory: Factory
+) -> None:
+    shop_a, shop_b = factory.shop(), factory.shop()
+    order_b = factory.order(shop_b, merchant_reference="b-1", gateway_order_id="pi_b")
+    event = StandardEvent(merchant_reference="b-1", gateway_order_id="pi_b")
+    event.extra = {"tenant_id": shop_b.tenant_id}
+    assert apply(runtime, factory, shop_a, event) == "unmapped_order"
+    assert factory.order_state(shop_b, order_b) == "pending"
+    assert factory.count("payment_event_receipts", tenant_id=shop_b.tenant_id) == 0
+    assert factory.count("payment_exceptions", tenant_id=shop_a.tenant_id) == 1
+
+
+def test_job_with_a_body_the_endpoint_never_signed_applies_nothing(
+    runtime: Runtime, factory: Factory
+) -> None:
+    shop = factory.shop()
+    order_id = factory.order(shop)
+    event = StandardEvent()
+    signed = factory.standard_envelope(shop, event)
+    forged = envelope(shop, event.body().replace(b"1999", b"1"), dict(signed.headers))
+    assert handle(runtime, forged.to_json()).outcome == "signature_invalid"
+    assert factory.count("security_anomalies", kind="signature_invalid") == 1
+    assert factory.count("payment_event_receipts") == 0
+    assert factory.order_state(shop, order_id) == "pending"
+
+
+def test_malformed_job_and_unknown_endpoint_are_anomalies(
+    runtime: Runtime, factory: Factory
+) -> None:
+    shop = factory.shop()
+    assert handle(runtime, {"v": 1, "endpoint_id": "nope"}).outcome == "malformed_job"
+    stray = factory.standard_envelope(shop, StandardEvent())
+    stray = envelope(shop, stray.body, dict(stray.headers))
+    object.__setattr__(stray, "endpoint_id", "00000000-0000-4000-8000-000000000000")
+    assert handle(runtime, stray.to_json()).outcome == "unknown_endpoint"
+    kinds = {r["kind"] for r in factory.conn.execute("SELECT kind FROM payhook.security_anomalies")}
+    assert kinds == {"malformed_job", "unknown_endpoint"}
+
+
+def test_authentic_but_unreadable_body_is_kept_as_an_exception(
+    runtime: Runtime, factory: Factory
+) -> None:
+    shop = factory.shop()
+    event = StandardEvent()
+    body = b'{"type": "payment.succeeded", "data": {"amount": "lots"}}'
+    job = envelope(shop, body, event.headers(shop.secret, body))
+    assert handle(runtime, job.to_json()).outcome == "malformed"
+    assert (
+        factory.count("payment_event_receipts", outcome="malformed", event_id=event.event_id) == 1
+    )
+    assert factory.count("payment_exceptions", kind="malformed") == 1
+
+
+def test_refund_before_payment_is_an_exception_not_dropped(
+    runtime: Runtime, factory: Factory
+) -> None:
+    shop = factory.shop()
+    order_id = factory.order(shop)
+    assert (
+        apply(runtime, factory, shop, StandardEvent(type="payment.refunded"))
+        == "invalid_transition"
+    )
+    assert apply(runtime, factory, shop, StandardEvent()) == "applied"
+    assert (
+        apply(runtime, factory, shop, StandardEvent(type="payment.refunded", amount=500))
+        == "applied"
+    )
+    assert factory.order_state(shop, order_id) == "partially_refunded"
+    assert factory.count("payment_exceptions", kind="invalid_transition") == 1
+    assert factory.count("payment_outbox", action="notify_refund") == 1
+
+
+def test_serialization_failures_are_retried_a_bounded_number_of_times(
+    runtime: Runtime, factory: Factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import consumer.transaction as tx
+
+    shop = factory.shop()
+    factory.order(shop)
+    calls = {"n": 0}
+    real = tx.apply_event
+
+    def flaky(*args: object, **kwargs: object) -> tx.Applied:
+        calls["n"] += 1
+        if calls["n"] <= 2:
+            raise psycopg.errors.SerializationFailure("could not serialize access")
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(tx, "apply_event", flaky)
+    result = handle(runtime, factory.standard_envelope(shop, StandardEvent()).to_json())
+    assert (result.outcome, result.retries) == ("applied", 2)
+
+    calls["n"] = -100
+    with pytest.raises(tx.TooManyRetries):
+        handle(runtime, factory.standard_envelope(shop, StandardEvent()).to_json())
+    assert calls["n"] == -100 + runtime.settings.serialization_retries + 1

@@ -1,0 +1,249 @@
+"""Gateway adapters against signatures made by the gateways' own libraries."""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import UTC, datetime
+
+import pytest
+import standardwebhooks
+import stripe
+
+from payhook.errors import (
+    MalformedEvent,
+    MalformedHeaders,
+    SignatureMismatch,
+    TimestampOutOfTolerance,
+)
+from payhook.gateways import generate_secret, get_gateway
+from payhook.gateways.standard import StandardGateway
+from payhook.gateways.stripe import StripeGateway
+from tests.factories import StandardEvent, stripe_body
+
+NOW = time.time()
+
+
+def standardwebhooks_headers(secret: str, event_id: str, body: bytes, ts: int) -> dict[str, str]:
+    signature = standardwebhooks.Webhook(secret).sign(
+        event_id, datetime.fromtimestamp(ts, UTC), body.decode()
+    )
+    return {"webhook-id": event_id, "webhook-timestamp": str(ts), "webhook-signature": signature}
+
+
+class TestStandard:
+    gateway = StandardGateway()
+    secret = generate_secret("standard")
+
+    def test_accepts_signature_from_standardwebhooks_library(self) -> None:
+        event = StandardEvent()
+        body = event.body()
+        headers = standardwebhooks_headers(self.secret, event.event_id, body, int(NOW))
+        self.gateway.verify(headers, body, [self.secret], now=NOW, tolerance=300)
+        # and the library accepts ours
+        ours = event.headers(self.secret, body) | {"webhook-timestamp": str(int(NOW))}
+        ours["webhook-signature"] = headers["webhook-signature"]
+        standardwebhooks.Webhook(self.secret).verify(body, ours)
+
+    def test_our_signature_verifies_in_standardwebhooks_library(self) -> None:
+        event = StandardEvent(timestamp=int(time.time()))
+        body = event.body()
+        standardwebhooks.Webhook(self.secret).verify(body, event.headers(self.secret, body))
+
+    @pytest.mark.parametrize("part", ["body", "timestamp", "event_id", "secret"])
+    def test_tampering_is_rejected(self, part: str) -> None:
+        event = StandardEvent(timestamp=int(NOW))
+        body = event.body()
+        headers = event.headers(self.secret, body)
+        secrets = [self.secret]
+        if part == "body":
+            body = body.replace(b"1999", b"1")
+        elif part == "timestamp":
+            headers["webhook-timestamp"] = str(int(NOW) - 1)
+        elif part == "event_id":
+            headers["webhook-id"] = "msg_other"
+        else:
+            secrets = [generate_secret("standard")]
+        with pytest.raises(SignatureMismatch):
+            self.gateway.verify(headers, body, secrets, now=NOW, tolerance=300)
+
+    def test_any_of_several_secrets_and_signatures_matches(self) -> None:
+        old, new = generate_secret("standard"), self.secret
+        event = StandardEvent(timestamp=int(NOW))
+        body = event.body()
+        headers = event.headers(old, body)
+        headers["webhook-signature"] = (
+            "v1a,ignored-scheme " + event.headers(new, body)["webhook-signature"]
+        )
+        self.gateway.verify(headers, body, [new, old], now=NOW, tolerance=300)
+
+    def test_only_unknown_schemes_is_a_mismatch(self) -> None:
+        event = StandardEvent(timestamp=int(NOW))
+        body = event.body()
+        headers = event.headers(self.secret, body)
+        headers["webhook-signature"] = headers["webhook-signature"].replace("v1,", "v2,")
+        with pytest.raises(SignatureMismatch):
+            self.gateway.verify(headers, body, [self.secret], now=NOW, tolerance=300)
+
+    @pytest.mark.parametrize("skew", [-301, 301])
+    def test_timestamp_outside_tolerance(self, skew: int) -> None:
+        event = StandardEvent(timestamp=int(NOW) + skew)
+        body = event.body()
+        with pytest.raises(TimestampOutOfTolerance):
+            self.gateway.verify(
+                event.headers(self.secret, body), body, [self.secret], now=NOW, tolerance=300
+            )
+        # the consumer ignores freshness
+        self.gateway.verify(
+            event.headers(self.secret, body), body, [self.secret], now=None, tolerance=None
+        )
+
+    @pytest.mark.parametrize(
+        "headers",
+        [
+            {},
+            {"webhook-id": "m", "webhook-timestamp": "1"},
+            {"webhook-id": "m", "webhook-timestamp": "soon", "webhook-signature": "v1,x"},
+            {"webhook-timestamp": "1", "webhook-signature": "v1,x"},
+        ],
+    )
+    def test_missing_or_malformed_headers(self, headers: dict[str, str]) -> None:
+        with pytest.raises(MalformedHeaders):
+            self.gateway.verify(headers, b"{}", [self.secret], now=NOW, tolerance=300)
+
+    def test_parse_normalizes_the_event(self) -> None:
+        event = StandardEvent(type="payment.refunded", amount=500, currency="eur")
+        body = event.body()
+        parsed = self.gateway.parse(event.headers(self.secret, body), body)
+        assert parsed.event_id == event.event_id
+        assert (parsed.kind, parsed.amount_minor, parsed.currency) == ("refunded", 500, "EUR")
+        assert (parsed.gateway_order_id, parsed.merchant_reference) == ("pi_1", "order-1")
+        assert parsed.occurred_at == datetime.fromtimestamp(event.timestamp, UTC)
+        assert len(parsed.digest) == 64
+
+    def test_digest_is_canonical_json(self) -> None:
+        event = StandardEvent()
+        body = event.body()
+        reordered = json.dumps(json.loads(body), sort_keys=True, indent=2).encode()
+        headers = event.headers(self.secret, body)
+        assert (
+            self.gateway.parse(headers, body).digest
+            == self.gateway.parse(headers, reordered).digest
+        )
+        changed = body.replace(b"1999", b"2000")
+        assert (
+            self.gateway.parse(headers, body).digest != self.gateway.parse(headers, changed).digest
+        )
+
+    def test_unknown_type_has_no_kind(self) -> None:
+        event = StandardEvent(type="customer.created")
+        body = event.body()
+        assert self.gateway.parse(event.headers(self.secret, body), body).kind is None
+
+    @pytest.mark.parametrize(
+        "body",
+        [
+            b"not json",
+            b"[]",
+            b'{"type": "payment.succeeded"}',
+            b'{"type": "payment.succeeded", "data": {"gateway_order_id": "g", "amount": "10", "currency": "EUR"}}',
+            b'{"type": "payment.succeeded", "data": {"gateway_order_id": "g", "amount": true, "currency": "EUR"}}',
+            b'{"type": "payment.succeeded", "data": {"gateway_order_id": "g", "amount": 1, "currency": "EURO"}}',
+        ],
+    )
+    def test_malformed_bodies(self, body: bytes) -> None:
+        with pytest.raises(MalformedEvent):
+            self.gateway.parse({"webhook-id": "m"}, body)
+
+
+class TestStripe:
+    gateway = StripeGateway()
+    secret = generate_secret("stripe")
+
+    def test_accepts_header_from_stripe_library(self) -> None:
+        body = stripe_body()
+        header = stripe.WebhookSignature.generate_signature_header(
+            body.decode(), self.secret, timestamp=int(NOW)
+        )
+        stripe.Webhook.construct_event(body.decode(), header, self.secret, tolerance=None)
+        self.gateway.verify(
+            {"stripe-signature": header}, body, [self.secret], now=NOW, tolerance=300
+        )
+
+    def test_several_v1_signatures_and_unknown_schemes(self) -> None:
+        body = stripe_body()
+        other = generate_secret("stripe")
+        good = stripe.WebhookSignature.generate_signature_header(
+            body.decode(), self.secret, int(NOW)
+        )
+        bad = stripe.WebhookSignature.generate_signature_header(body.decode(), other, int(NOW))
+        header = f"{bad},v0=deadbeef,v1={good.split('v1=')[1]}"
+        self.gateway.verify(
+            {"stripe-signature": header}, body, [self.secret], now=NOW, tolerance=300
+        )
+
+    @pytest.mark.parametrize("part", ["body", "timestamp", "secret"])
+    def test_tampering_is_rejected(self, part: str) -> None:
+        body = stripe_body()
+        header = stripe.WebhookSignature.generate_signature_header(
+            body.decode(), self.secret, int(NOW)
+        )
+        secrets = [self.secret]
+        if part == "body":
+            body = body.replace(b"1999", b"1")
+        elif part == "timestamp":
+            header = header.replace(f"t={int(NOW)}", f"t={int(NOW) - 1}")
+        else:
+            secrets = [generate_secret("stripe")]
+        with pytest.raises(SignatureMismatch):
+            self.gateway.verify({"stripe-signature": header}, body, secrets, now=NOW, tolerance=300)
+
+    def test_stale_timestamp(self) -> None:
+        body = stripe_body()
+        header = stripe.WebhookSignature.generate_signature_header(
+            body.decode(), self.secret, int(NOW) - 301
+        )
+        with pytest.raises(TimestampOutOfTolerance):
+            self.gateway.verify(
+                {"stripe-signature": header}, body, [self.secret], now=NOW, tolerance=300
+            )
+
+    @pytest.mark.parametrize("header", ["", "v1=abc", "t=soon,v1=abc"])
+    def test_malformed_header(self, header: str) -> None:
+        with pytest.raises(MalformedHeaders):
+            self.gateway.verify(
+                {"stripe-signature": header}, b"{}", [self.secret], now=NOW, tolerance=300
+            )
+
+    def test_digest_ignores_fields_stripe_rewrites(self) -> None:
+        first = stripe_body(event_id="evt_1", pending_webhooks=3)
+        again = json.loads(first)
+        again["pending_webhooks"] = 1
+        again["request"] = {"id": None, "idempotency_key": None}
+        second = json.dumps(again).encode()
+        assert self.gateway.parse({}, first).digest == self.gateway.parse({}, second).digest
+        again["data"]["object"]["amount"] = 1
+        assert (
+            self.gateway.parse({}, first).digest
+            != self.gateway.parse({}, json.dumps(again).encode()).digest
+        )
+
+    @pytest.mark.parametrize(
+        ("event_type", "kind", "cumulative"),
+        [
+            ("payment_intent.succeeded", "succeeded", False),
+            ("payment_intent.payment_failed", "failed", False),
+            ("charge.refunded", "refunded", True),
+            ("charge.dispute.created", "disputed", False),
+        ],
+    )
+    def test_parse_maps_types(self, event_type: str, kind: str, cumulative: bool) -> None:
+        event = self.gateway.parse({}, stripe_body(event_type, event_id="evt_9", amount=700))
+        assert (event.event_id, event.kind, event.cumulative) == ("evt_9", kind, cumulative)
+        assert (event.gateway_order_id, event.merchant_reference) == ("pi_1", "order-1")
+        assert (event.amount_minor, event.currency) == (700, "EUR")
+
+
+def test_unknown_gateway_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="unknown gateway"):
+        get_gateway("paypal")

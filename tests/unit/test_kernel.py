@@ -1,0 +1,97 @@
+"""Settings, the named-query loader and the job envelope."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+import pytest
+
+from payhook.envelope import Envelope, MalformedJob
+from payhook.errors import QueryFileError, SettingsError
+from payhook.queries import all_queries, parse_queries
+from payhook.settings import Secret, Settings, parse_duration
+
+
+def test_settings_defaults_and_overrides() -> None:
+    s = Settings.from_env({"PAYHOOK_QUEUE": "q", "PAYHOOK_RECEIPT_RETENTION": "400d"})
+    assert s.queue == "q" and s.redis_url.startswith("redis://")
+    assert s.receipt_retention == 400 * 86400
+
+
+@pytest.mark.parametrize(
+    ("env", "name"),
+    [
+        ({"DATABASE_URL": "mysql://x"}, "DATABASE_URL"),
+        ({"REDIS_URL": "http://x"}, "REDIS_URL"),
+        ({"PAYHOOK_MAX_BODY": "big"}, "PAYHOOK_MAX_BODY"),
+        ({"PAYHOOK_JOB_TIMEOUT": "0"}, "PAYHOOK_JOB_TIMEOUT"),
+        ({"PAYHOOK_OUTBOX_SLA": "soon"}, "PAYHOOK_OUTBOX_SLA"),
+        ({"PAYHOOK_LOG_LEVEL": "LOUD"}, "PAYHOOK_LOG_LEVEL"),
+    ],
+)
+def test_bad_setting_names_the_variable(env: dict[str, str], name: str) -> None:
+    with pytest.raises(SettingsError, match=name):
+        Settings.from_env(env)
+
+
+def test_secrets_never_show_in_repr() -> None:
+    s = Settings.from_env({"DATABASE_URL": "postgresql://u:hunter2@db/x"})
+    assert "hunter2" not in repr(s) and isinstance(s.database_url, Secret)
+
+
+def test_durations() -> None:
+    assert parse_duration("X", "250ms") == 0.25
+    assert parse_duration("X", "5m") == 300
+    with pytest.raises(SettingsError):
+        parse_duration("X", "-1s")
+
+
+def test_query_loader_parses_headers_and_descriptions() -> None:
+    queries = parse_queries("-- one --\n-- does one\nSELECT 1;\n\n-- two --\nSELECT 2\n")
+    assert queries == {"one": "SELECT 1", "two": "SELECT 2"}
+
+
+@pytest.mark.parametrize(
+    "text", ["-- a --\nSELECT 1\n-- a --\nSELECT 2", "SELECT 1", "-- a --\n-- only words\n"]
+)
+def test_query_loader_rejects_malformed_files(text: str) -> None:
+    with pytest.raises(QueryFileError):
+        parse_queries(text)
+
+
+def test_shipped_queries_load() -> None:
+    assert {"insert_receipt", "lock_order", "mark_receipt_processed"} <= set(all_queries())
+
+
+def test_envelope_round_trip_keeps_exact_bytes() -> None:
+    env = Envelope(
+        "3f2c9e36-0d0e-4b7c-9d3e-8f1f1a1b2c3d",
+        b"\xff\x00{}",
+        {"Webhook-Id": "m"},
+        datetime.now(UTC),
+        "7d1d8a2e-5a43-4a53-8f43-0f5e2b1c9a10",
+    )
+    back = Envelope.from_json(env.to_json())
+    assert back.body == b"\xff\x00{}" and back.headers == {"webhook-id": "m"}
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        None,
+        [],
+        {"v": 2},
+        {"v": 1, "endpoint_id": "x"},
+        {
+            "v": 1,
+            "endpoint_id": "3f2c9e36-0d0e-4b7c-9d3e-8f1f1a1b2c3d",
+            "body_b64": "!!",
+            "headers": {},
+            "received_at": "2026-01-01T00:00:00+00:00",
+            "delivery_id": "7d1d8a2e-5a43-4a53-8f43-0f5e2b1c9a10",
+        },
+    ],
+)
+def test_envelope_rejects_what_payhook_did_not_write(data: object) -> None:
+    with pytest.raises(MalformedJob):
+        Envelope.from_json(data)
