@@ -1,0 +1,127 @@
+"""Delivery handlers: what performing one outbox row's side effect means.
+
+`http`: POST a JSON body to the tenant's fulfilment URL with an
+`Idempotency-Key` and a Standard Webhooks signature made with the tenant's
+signing secret. `log`: the tenant has no URL; the effect is a log line.
+
+A handler never touches the database; it answers with an `Outcome` and the
+loop records it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import httpx
+import structlog
+
+from outbox_worker.backoff import parse_retry_after
+from outbox_worker.claims import Claim
+from payhook.gateways import standard
+
+log = structlog.get_logger(__name__)
+
+#: The `User-Agent` of every delivery.
+USER_AGENT = "payhook-outbox/1"
+#: 4xx statuses that mean "later", not "never".
+RETRYABLE_4XX = frozenset({408, 429})
+#: Body fields that identify the side effect; always present.
+IDENTITY_FIELDS = ("action", "tenant_id", "order_id", "merchant_reference", "event_id")
+
+Kind = Literal["delivered", "retry", "dead"]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one attempt came to. `error` is short and carries no secret or payload."""
+
+    kind: Kind
+    handler: str
+    status: int | None = None
+    error: str | None = None
+    #: Seconds the receiver asked us to wait (`Retry-After`).
+    retry_after: float | None = None
+
+
+def deliver(client: httpx.Client, claim: Claim) -> Outcome:
+    """Perform the row's side effect with the handler its tenant calls for."""
+    if claim.signing_secret is None:
+        return Outcome("dead", "none", error="tenant not found")
+    if claim.fulfilment_url is None:
+        return log_delivery(claim)
+    return post_delivery(client, claim)
+
+
+def log_delivery(claim: Claim) -> Outcome:
+    """The `log` handler: one line naming the effect, never the payload."""
+    log.info(
+        "outbox_logged",
+        action=claim.action,
+        order_id=claim.order_id,
+        idempotency_key=claim.idempotency_key,
+    )
+    return Outcome("delivered", "log")
+
+
+def post_delivery(client: httpx.Client, claim: Claim, *, now: float | None = None) -> Outcome:
+    """The `http` handler: one signed POST; the response body is not read."""
+    assert claim.fulfilment_url is not None and claim.signing_secret is not None
+    timestamp = int(time.time() if now is None else now)
+    body = delivery_body(claim)
+    headers = delivery_headers(claim, body, timestamp)
+    try:
+        with client.stream("POST", claim.fulfilment_url, content=body, headers=headers) as resp:
+            return classify(resp.status_code, resp.headers.get("retry-after"), time.time())
+    except (httpx.InvalidURL, httpx.UnsupportedProtocol):
+        # The message would repeat the URL, which may carry credentials.
+        return Outcome("dead", "http", error="fulfilment URL is not a usable http(s) URL")
+    except httpx.TimeoutException as exc:
+        return Outcome("retry", "http", error=f"timeout: {type(exc).__name__}")
+    except httpx.TransportError as exc:
+        return Outcome("retry", "http", error=f"connection error: {type(exc).__name__}: {exc}")
+
+
+def classify(status: int, retry_after: str | None, now: float) -> Outcome:
+    """2xx delivered; 408, 429 and 5xx later; any other 4xx never; anything else later."""
+    if 200 <= status < 300:
+        return Outcome("delivered", "http", status=status)
+    error = f"HTTP {status}"
+    if 400 <= status < 500 and status not in RETRYABLE_4XX:
+        return Outcome("dead", "http", status=status, error=error)
+    return Outcome(
+        "retry", "http", status=status, error=error, retry_after=parse_retry_after(retry_after, now)
+    )
+
+
+def delivery_body(claim: Claim) -> bytes:
+    """The stored payload, with the identity fields guaranteed, as compact sorted JSON."""
+    body: dict[str, Any] = dict(claim.payload)
+    body.update(
+        action=claim.action,
+        tenant_id=claim.tenant_id,
+        order_id=claim.order_id,
+        event_id=claim.event_id,
+        merchant_reference=claim.payload.get("merchant_reference"),
+    )
+    return json.dumps(body, separators=(",", ":"), sort_keys=True).encode()
+
+
+def delivery_headers(claim: Claim, body: bytes, timestamp: int) -> dict[str, str]:
+    """`Idempotency-Key` and the Standard Webhooks headers.
+
+    `webhook-id` is the outbox row id: stable across attempts, as the Standard
+    Webhooks specification asks; the timestamp and signature are fresh on each.
+    """
+    assert claim.signing_secret is not None
+    message_id = f"msg_{claim.id.replace('-', '')}"
+    return {
+        "content-type": "application/json",
+        "user-agent": USER_AGENT,
+        "idempotency-key": claim.idempotency_key,
+        "webhook-id": message_id,
+        "webhook-timestamp": str(timestamp),
+        "webhook-signature": standard.sign(claim.signing_secret, message_id, timestamp, body),
+    }

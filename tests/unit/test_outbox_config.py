@@ -1,0 +1,54 @@
+"""The worker's `PAYHOOK_OUTBOX_*` settings."""
+
+from __future__ import annotations
+
+import pytest
+
+from outbox_worker.config import OutboxConfig
+from payhook.errors import SettingsError
+from payhook.settings import Settings
+
+
+def config(**env: str) -> OutboxConfig:
+    return OutboxConfig.from_settings(Settings.from_env(env))
+
+
+def test_defaults_suit_a_payment_operator() -> None:
+    c = config()
+    assert (c.lease, c.batch, c.concurrency, c.poll) == (60, 20, 10, 5)
+    assert (c.timeout, c.max_attempts, c.backoff, c.backoff_max) == (10, 25, 5, 3600)
+
+
+def test_overrides_accept_durations_with_units() -> None:
+    c = config(
+        PAYHOOK_OUTBOX_LEASE="2m",
+        PAYHOOK_OUTBOX_BATCH="5",
+        PAYHOOK_OUTBOX_CONCURRENCY="3",
+        PAYHOOK_OUTBOX_POLL="250ms",
+        PAYHOOK_OUTBOX_TIMEOUT="3s",
+        PAYHOOK_OUTBOX_MAX_ATTEMPTS="4",
+        PAYHOOK_OUTBOX_BACKOFF="100ms",
+        PAYHOOK_OUTBOX_BACKOFF_MAX="1m",
+    )
+    assert (c.lease, c.batch, c.concurrency, c.poll) == (120, 5, 3, 0.25)
+    assert (c.timeout, c.max_attempts, c.backoff, c.backoff_max) == (3, 4, 0.1, 60)
+
+
+@pytest.mark.parametrize(
+    ("env", "name"),
+    [
+        ({"PAYHOOK_OUTBOX_LEASE": "soon"}, "PAYHOOK_OUTBOX_LEASE"),
+        ({"PAYHOOK_OUTBOX_LEASE": "0s"}, "PAYHOOK_OUTBOX_LEASE"),
+        ({"PAYHOOK_OUTBOX_BATCH": "0"}, "PAYHOOK_OUTBOX_BATCH"),
+        ({"PAYHOOK_OUTBOX_CONCURRENCY": "many"}, "PAYHOOK_OUTBOX_CONCURRENCY"),
+        ({"PAYHOOK_OUTBOX_POLL": "-1"}, "PAYHOOK_OUTBOX_POLL"),
+        ({"PAYHOOK_OUTBOX_TIMEOUT": "0ms"}, "PAYHOOK_OUTBOX_TIMEOUT"),
+        ({"PAYHOOK_OUTBOX_MAX_ATTEMPTS": "-3"}, "PAYHOOK_OUTBOX_MAX_ATTEMPTS"),
+        ({"PAYHOOK_OUTBOX_BACKOFF": "x"}, "PAYHOOK_OUTBOX_BACKOFF"),
+        ({"PAYHOOK_OUTBOX_BACKOFF_MAX": "1s"}, "PAYHOOK_OUTBOX_BACKOFF_MAX"),
+        ({"PAYHOOK_OUTBOX_LEASE": "20s"}, "PAYHOOK_OUTBOX_LEASE"),
+    ],
+)
+def test_bad_setting_names_the_variable(env: dict[str, str], name: str) -> None:
+    with pytest.raises(SettingsError, match=name):
+        config(**env)

@@ -1,0 +1,170 @@
+"""Delivery requests and how responses are classified, without a network."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from datetime import UTC, datetime
+
+import httpx
+import pytest
+import standardwebhooks
+from structlog.testing import capture_logs
+
+from outbox_worker.claims import Claim, short_error
+from outbox_worker.handlers import classify, deliver, delivery_body, delivery_headers
+from payhook.gateways import standard
+from payhook.settings import Secret
+
+SECRET = standard.generate_secret()
+
+
+def make_claim(url: str | None = "https://shop.example/fulfil", **changes: object) -> Claim:
+    tenant_id, order_id = str(uuid.uuid4()), str(uuid.uuid4())
+    payload = {
+        "action": "fulfil_order",
+        "tenant_id": tenant_id,
+        "order_id": order_id,
+        "merchant_reference": "order-1",
+        "event_id": "msg_1",
+        "state": "paid",
+        "amount_minor": 1999,
+        "currency": "EUR",
+    }
+    fields: dict[str, object] = {
+        "tenant_id": tenant_id,
+        "id": str(uuid.uuid4()),
+        "order_id": order_id,
+        "event_id": "msg_1",
+        "action": "fulfil_order",
+        "payload": payload,
+        "attempts": 1,
+        "token": str(uuid.uuid4()),
+        "claimed_until": datetime.now(UTC),
+        "fulfilment_url": url,
+        "signing_secret": Secret(SECRET),
+    }
+    return Claim(**(fields | changes))  # type: ignore[arg-type]
+
+
+def client(handler: object) -> httpx.Client:
+    return httpx.Client(transport=httpx.MockTransport(handler))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("status", [200, 201, 202, 204, 299])
+def test_2xx_is_delivered(status: int) -> None:
+    assert classify(status, None, 0).kind == "delivered"
+
+
+@pytest.mark.parametrize("status", [408, 429, 500, 502, 503, 504, 599, 302, 101])
+def test_transient_statuses_are_retried(status: int) -> None:
+    outcome = classify(status, None, 0)
+    assert outcome.kind == "retry" and outcome.error == f"HTTP {status}"
+
+
+@pytest.mark.parametrize("status", [400, 401, 403, 404, 405, 409, 410, 413, 422, 451, 499])
+def test_other_4xx_are_permanent(status: int) -> None:
+    assert classify(status, "30", 0).kind == "dead"
+
+
+def test_retry_after_travels_with_a_retry() -> None:
+    assert classify(429, "42", 0).retry_after == 42
+    assert classify(503, None, 0).retry_after is None
+
+
+def test_headers_carry_the_idempotency_key_and_a_verifiable_signature() -> None:
+    claim = make_claim()
+    body = delivery_body(claim)
+    headers = delivery_headers(claim, body, timestamp=int(datetime.now(UTC).timestamp()))
+    assert headers["idempotency-key"] == f"{claim.tenant_id}:msg_1:fulfil_order"
+    assert headers["webhook-id"] == "msg_" + claim.id.replace("-", "")
+    # The receiver's side: the reference Standard Webhooks library accepts it.
+    verified = standardwebhooks.Webhook(SECRET).verify(body, headers)
+    assert verified["order_id"] == claim.order_id
+
+
+def test_a_tampered_body_does_not_verify() -> None:
+    claim = make_claim()
+    body = delivery_body(claim)
+    headers = delivery_headers(claim, body, timestamp=int(datetime.now(UTC).timestamp()))
+    with pytest.raises(standardwebhooks.webhooks.WebhookVerificationError):
+        standardwebhooks.Webhook(SECRET).verify(body.replace(b"1999", b"1"), headers)
+
+
+def test_body_names_action_tenant_order_reference_and_event() -> None:
+    claim = make_claim(payload={"currency": "EUR", "merchant_reference": "ref-9"})
+    body = json.loads(delivery_body(claim))
+    assert body == {
+        "action": "fulfil_order",
+        "tenant_id": claim.tenant_id,
+        "order_id": claim.order_id,
+        "merchant_reference": "ref-9",
+        "event_id": "msg_1",
+        "currency": "EUR",
+    }
+
+
+def test_http_handler_posts_once_to_the_tenant_url() -> None:
+    seen: list[httpx.Request] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(202)
+
+    claim = make_claim()
+    outcome = deliver(client(answer), claim)
+    assert (outcome.kind, outcome.handler, outcome.status) == ("delivered", "http", 202)
+    assert [str(r.url) for r in seen] == ["https://shop.example/fulfil"]
+    assert seen[0].method == "POST" and seen[0].headers["content-type"] == "application/json"
+
+
+@pytest.mark.parametrize(
+    ("exc", "prefix"),
+    [
+        (httpx.ConnectTimeout("timed out"), "timeout: ConnectTimeout"),
+        (httpx.ReadTimeout("timed out"), "timeout: ReadTimeout"),
+        (httpx.ConnectError("[Errno 111] Connection refused"), "connection error: ConnectError"),
+        (httpx.RemoteProtocolError("server disconnected"), "connection error:"),
+    ],
+)
+def test_network_failures_are_retried(exc: Exception, prefix: str) -> None:
+    def fail(request: httpx.Request) -> httpx.Response:
+        raise exc
+
+    outcome = deliver(client(fail), make_claim())
+    assert outcome.kind == "retry" and outcome.error is not None
+    assert outcome.error.startswith(prefix)
+
+
+def test_unusable_url_is_permanent_and_not_repeated_in_the_error() -> None:
+    claim = make_claim(url="ftp://user:hunter2@shop.example/x")
+    outcome = deliver(httpx.Client(), claim)
+    assert outcome.kind == "dead" and outcome.error is not None
+    assert "hunter2" not in outcome.error
+
+
+def test_tenant_without_url_is_logged_not_posted() -> None:
+    def refuse(request: httpx.Request) -> httpx.Response:
+        raise AssertionError("the log handler must not post")
+
+    claim = make_claim(url=None)
+    with capture_logs() as logs:
+        outcome = deliver(client(refuse), claim)
+    assert (outcome.kind, outcome.handler) == ("delivered", "log")
+    [line] = [entry for entry in logs if entry["event"] == "outbox_logged"]
+    assert line["idempotency_key"] == claim.idempotency_key
+    assert "payload" not in line and SECRET not in repr(line)
+
+
+def test_missing_tenant_is_dead() -> None:
+    outcome = deliver(httpx.Client(), make_claim(signing_secret=None))
+    assert (outcome.kind, outcome.error) == ("dead", "tenant not found")
+
+
+def test_claim_repr_hides_the_signing_secret() -> None:
+    assert SECRET not in repr(make_claim())
+
+
+def test_errors_are_stored_short_and_on_one_line() -> None:
+    assert short_error("a\n  b\tc") == "a b c"
+    assert len(short_error("x" * 1000)) == 300
