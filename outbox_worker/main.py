@@ -1,0 +1,73 @@
+"""Wiring of an outbox worker process: settings, logging, pool, HTTP client, signals."""
+
+from __future__ import annotations
+
+import signal
+from types import FrameType
+from typing import cast
+
+import httpx
+import psycopg
+import structlog
+from psycopg_pool import ConnectionPool
+
+from outbox_worker.config import OutboxConfig
+from outbox_worker.loop import Worker
+from payhook.db import Row, connect, create_pool
+from payhook.logs import configure_logging
+from payhook.settings import Settings
+
+log = structlog.get_logger(__name__)
+
+
+def build_client(config: OutboxConfig) -> httpx.Client:
+    """One HTTP client per process, with a connection per concurrent delivery."""
+    return httpx.Client(
+        timeout=httpx.Timeout(config.timeout),
+        limits=httpx.Limits(
+            max_connections=config.concurrency, max_keepalive_connections=config.concurrency
+        ),
+        follow_redirects=False,
+    )
+
+
+def run(settings: Settings, once: bool = False) -> int:
+    """Deliver outbox rows until SIGTERM (or, with `once`, until nothing is due)."""
+    configure_logging(settings.log_level)
+    config = OutboxConfig.from_settings(settings)
+    # The pool's connections return dict rows (`connection_kwargs`).
+    pool = cast("ConnectionPool[psycopg.Connection[Row]]", create_pool(settings, "outbox-worker"))
+    client = build_client(config)
+
+    def listen() -> psycopg.Connection[Row]:
+        return connect(settings, "outbox-listen")
+
+    worker = Worker(pool, client, config, listen=None if once else listen)
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        log.info("outbox_worker_stopping", signal=signal.Signals(signum).name)
+        worker.stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    pool.open(wait=False)
+    log.info(
+        "outbox_worker_started",
+        once=once,
+        lease=config.lease,
+        batch=config.batch,
+        concurrency=config.concurrency,
+        max_attempts=config.max_attempts,
+    )
+    try:
+        if once:
+            claimed = worker.run_once()
+            log.info("outbox_pass_done", claimed=claimed)
+        else:
+            worker.run()
+    finally:
+        worker.close()
+        client.close()
+        pool.close()
+    log.info("outbox_worker_stopped")
+    return 0

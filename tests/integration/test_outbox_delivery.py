@@ -1,0 +1,325 @@
+"""The worker loop in this process against a real receiver process and real PostgreSQL."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psycopg
+import pytest
+import standardwebhooks
+from psycopg.types.json import Jsonb
+from psycopg_pool import ConnectionPool
+from structlog.testing import capture_logs
+
+from consumer.handler import Runtime, handle
+from outbox_worker.claims import Claim
+from outbox_worker.config import OutboxConfig
+from outbox_worker.handlers import Outcome
+from outbox_worker.loop import Worker
+from outbox_worker.main import build_client
+from payhook.db import Row, create_pool, execute
+from payhook.settings import Settings
+from tests.factories import Factory, Shop, StandardEvent
+from tests.receiver import Receiver
+
+#: Short enough that retries come quickly in a test.
+FAST = OutboxConfig(lease=30, batch=10, concurrency=4, poll=0.2, timeout=2, backoff=0.05)
+
+
+@pytest.fixture
+def pool(settings: Settings) -> Iterator[ConnectionPool[psycopg.Connection[Row]]]:
+    pool: ConnectionPool[psycopg.Connection[Row]] = create_pool(settings, "test", size=4)  # type: ignore[assignment]
+    pool.open(wait=True)
+    yield pool
+    pool.close()
+
+
+@pytest.fixture
+def receiver(tmp_path: Path) -> Iterator[Receiver]:
+    with Receiver(tmp_path / "receiver") as receiver:
+        yield receiver
+
+
+def make_worker(pool: ConnectionPool[psycopg.Connection[Row]], config: OutboxConfig) -> Worker:
+    return Worker(pool, build_client(config), config)
+
+
+def add_rows(conn: psycopg.Connection[Row], shop: Shop, order_id: str, count: int = 1) -> list[str]:
+    ids = []
+    for _ in range(count):
+        row_id, event_id = uuid.uuid4(), f"msg_{uuid.uuid4().hex}"
+        payload = {
+            "action": "fulfil_order",
+            "tenant_id": shop.tenant_id,
+            "order_id": order_id,
+            "merchant_reference": "order-1",
+            "event_id": event_id,
+        }
+        execute(
+            conn,
+            "insert_outbox",
+            {
+                "id": row_id,
+                "tenant_id": shop.tenant_id,
+                "order_id": order_id,
+                "event_id": event_id,
+                "action": "fulfil_order",
+                "payload": Jsonb(payload),
+            },
+        )
+        ids.append(str(row_id))
+    return ids
+
+
+def row(conn: psycopg.Connection[Row], row_id: str) -> dict[str, Any]:
+    found = conn.execute(
+        "SELECT *, next_attempt_at - now() AS due_in FROM payhook.payment_outbox WHERE id = %s",
+        (row_id,),
+    ).fetchone()
+    assert found is not None
+    return found
+
+
+def run_until(worker: Worker, done: Any, timeout: float = 20) -> None:
+    """Run passes of the worker until `done()` is true."""
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, "the worker did not get there"
+        worker.run_once()
+        time.sleep(0.02)
+
+
+def signing_secret(conn: psycopg.Connection[Row], shop: Shop) -> str:
+    found = conn.execute(
+        "SELECT signing_secret FROM payhook.tenants WHERE id = %s", (shop.tenant_id,)
+    ).fetchone()
+    assert found is not None
+    return str(found["signing_secret"])
+
+
+def test_delivery_is_a_signed_post_with_the_idempotency_key(
+    conn: psycopg.Connection[Row], factory: Factory, pool: Any, receiver: Receiver
+) -> None:
+    shop = factory.shop(fulfilment_url=receiver.url)
+    order_id = factory.order(shop)
+    [row_id] = add_rows(conn, shop, order_id)
+    worker = make_worker(pool, FAST)
+    with capture_logs() as logs:
+        assert worker.run_once() == 1
+    worker.close()
+
+    [request] = receiver.requests()
+    stored = row(conn, row_id)
+    assert stored["state"] == "delivered" and stored["delivered_at"] is not None
+    assert stored["attempts"] == 1 and stored["claim_token"] is None
+    headers = request["headers"]
+    assert headers["idempotency-key"] == f"{shop.tenant_id}:{stored['event_id']}:fulfil_order"
+    body = request["body"].encode()
+    verified = standardwebhooks.Webhook(signing_secret(conn, shop)).verify(body, headers)
+    assert verified == {
+        "action": "fulfil_order",
+        "tenant_id": shop.tenant_id,
+        "order_id": order_id,
+        "merchant_reference": "order-1",
+        "event_id": stored["event_id"],
+    }
+    [line] = [entry for entry in logs if entry["event"] == "outbox_delivered"]
+    assert line["outbox_id"] == row_id and line["status"] == 200 and line["handler"] == "http"
+
+
+def test_event_applied_by_the_consumer_reaches_the_fulfilment_url(
+    settings: Settings, factory: Factory, pool: Any, receiver: Receiver
+) -> None:
+    """The whole path: a signed gateway event, the consumer transaction, the outbox worker."""
+    shop = factory.shop(fulfilment_url=receiver.url)
+    order_id = factory.order(shop, amount=2500)
+    event = StandardEvent(amount=2500)
+    runtime = Runtime(settings=settings, pool=create_pool(settings, "test", size=1))
+    runtime.pool.open(wait=True)
+    assert handle(runtime, factory.standard_envelope(shop, event).to_json()).outcome == "applied"
+    runtime.pool.close()
+
+    worker = make_worker(pool, FAST)
+    worker.run_once()
+    worker.close()
+    [request] = receiver.requests()
+    assert request["headers"]["idempotency-key"] == (
+        f"{shop.tenant_id}:{event.event_id}:fulfil_order"
+    )
+    assert json.loads(request["body"]) == {
+        "action": "fulfil_order",
+        "tenant_id": shop.tenant_id,
+        "order_id": order_id,
+        "merchant_reference": "order-1",
+        "event_id": event.event_id,
+        "state": "paid",
+        "amount_minor": 2500,
+        "currency": "EUR",
+    }
+
+
+def test_400_is_dead_at_once_and_never_retried(
+    conn: psycopg.Connection[Row], factory: Factory, pool: Any, receiver: Receiver
+) -> None:
+    receiver.configure(status=400)
+    shop = factory.shop(fulfilment_url=receiver.url)
+    [row_id] = add_rows(conn, shop, factory.order(shop))
+    worker = make_worker(pool, FAST)
+    with capture_logs() as logs:
+        worker.run_once()
+    receiver.configure(status=200)
+    time.sleep(FAST.backoff * 4)  # longer than any retry would have waited
+    assert worker.run_once() == 0
+    worker.close()
+
+    stored = row(conn, row_id)
+    assert (stored["state"], stored["attempts"], stored["last_error"]) == ("dead", 1, "HTTP 400")
+    assert stored["delivered_at"] is None
+    assert len(receiver.requests()) == 1
+    assert [e["event"] for e in logs if e["event"].startswith("outbox_")] == ["outbox_dead"]
+
+
+def test_5xx_is_retried_with_backoff_then_delivered(
+    conn: psycopg.Connection[Row], factory: Factory, pool: Any, receiver: Receiver
+) -> None:
+    receiver.configure(statuses=[500, 503])
+    shop = factory.shop(fulfilment_url=receiver.url)
+    [row_id] = add_rows(conn, shop, factory.order(shop))
+    config = OutboxConfig(lease=30, poll=0.2, timeout=2, backoff=0.3, backoff_max=0.3)
+    worker = make_worker(pool, config)
+    worker.run_once()
+    after_first = row(conn, row_id)
+    assert after_first["state"] == "pending" and after_first["last_error"] == "HTTP 500"
+    assert after_first["due_in"].total_seconds() > 0, "the retry waits for its backoff"
+    assert worker.run_once() == 0, "not due again before the backoff"
+
+    run_until(worker, lambda: row(conn, row_id)["state"] == "delivered")
+    worker.close()
+    stored = row(conn, row_id)
+    assert stored["attempts"] == 3 and stored["last_error"] == "HTTP 503"
+    assert [r["status"] for r in receiver.requests()] == [500, 503, 200]
+    assert len(set(receiver.keys())) == 1, "every attempt carries the same Idempotency-Key"
+
+
+def test_429_retry_after_is_honoured(
+    conn: psycopg.Connection[Row], factory: Factory, pool: Any, receiver: Receiver
+) -> None:
+    receiver.configure(status=429, retry_after="120")
+    shop = factory.shop(fulfilment_url=receiver.url)
+    [row_id] = add_rows(conn, shop, factory.order(shop))
+    worker = make_worker(pool, FAST)
+    worker.run_once()
+    worker.close()
+    stored = row(conn, row_id)
+    assert stored["state"] == "pending" and stored["last_error"] == "HTTP 429"
+    assert stored["due_in"].total_seconds() > 110, "Retry-After beats the 50 ms backoff"
+
+
+def test_timeout_is_retried(
+    conn: psycopg.Connection[Row], factory: Factory, pool: Any, receiver: Receiver
+) -> None:
+    receiver.configure(delay=3)
+    shop = factory.shop(fulfilment_url=receiver.url)
+    [row_id] = add_rows(conn, shop, factory.order(shop))
+    worker = make_worker(pool, OutboxConfig(lease=5, timeout=0.5, backoff=60, backoff_max=60))
+    worker.run_once()
+    worker.close()
+    stored = row(conn, row_id)
+    assert stored["state"] == "pending" and stored["last_error"] == "timeout: ReadTimeout"
+    assert len(receiver.requests()) == 1
+
+
+def test_connection_refused_is_retried(
+    conn: psycopg.Connection[Row], factory: Factory, pool: Any, receiver: Receiver
+) -> None:
+    shop = factory.shop(fulfilment_url=receiver.url)
+    receiver.stop()
+    [row_id] = add_rows(conn, shop, factory.order(shop))
+    worker = make_worker(pool, FAST)
+    worker.run_once()
+    worker.close()
+    stored = row(conn, row_id)
+    assert stored["state"] == "pending" and stored["attempts"] == 1
+    assert stored["last_error"].startswith("connection error: ConnectError")
+
+
+def test_last_allowed_attempt_makes_the_row_dead(
+    conn: psycopg.Connection[Row], factory: Factory, pool: Any, receiver: Receiver
+) -> None:
+    receiver.configure(status=502)
+    shop = factory.shop(fulfilment_url=receiver.url)
+    [row_id] = add_rows(conn, shop, factory.order(shop))
+    config = OutboxConfig(lease=30, timeout=2, max_attempts=3, backoff=0.05, backoff_max=0.1)
+    worker = make_worker(pool, config)
+    run_until(worker, lambda: row(conn, row_id)["state"] == "dead")
+    time.sleep(0.2)
+    assert worker.run_once() == 0
+    worker.close()
+    stored = row(conn, row_id)
+    assert stored["attempts"] == 3
+    assert stored["last_error"] == "gave up after 3 attempts: HTTP 502"
+    assert len(receiver.requests()) == 3
+
+
+def test_tenant_without_url_gets_the_log_handler(
+    conn: psycopg.Connection[Row], factory: Factory, pool: Any, receiver: Receiver
+) -> None:
+    shop = factory.shop(fulfilment_url=None)
+    [row_id] = add_rows(conn, shop, factory.order(shop))
+    worker = make_worker(pool, FAST)
+    with capture_logs() as logs:
+        worker.run_once()
+    worker.close()
+    assert row(conn, row_id)["state"] == "delivered"
+    assert receiver.requests() == []
+    events = [e for e in logs if e["event"] in {"outbox_logged", "outbox_delivered"}]
+    assert [(e["event"], e.get("handler")) for e in events] == [
+        ("outbox_logged", None),
+        ("outbox_delivered", "log"),
+    ]
+
+
+def test_stopping_worker_releases_claimed_rows_it_has_not_started(
+    conn: psycopg.Connection[Row], factory: Factory, pool: Any, receiver: Receiver
+) -> None:
+    shop = factory.shop(fulfilment_url=receiver.url)
+    ids = add_rows(conn, shop, factory.order(shop), 3)
+    worker = make_worker(pool, FAST)
+    worker.stop()
+    assert worker.run_batch() == 3  # claimed, then given back unattempted
+    worker.close()
+    for row_id in ids:
+        stored = row(conn, row_id)
+        assert stored["state"] == "pending" and stored["attempts"] == 0
+        assert stored["claim_token"] is None and stored["due_in"].total_seconds() <= 0
+    assert receiver.requests() == []
+
+
+def test_row_is_not_started_without_a_full_delivery_left_in_its_lease(
+    conn: psycopg.Connection[Row], factory: Factory, pool: Any
+) -> None:
+    """Rows queued behind a slow delivery are released rather than sent late in the lease."""
+    shop = factory.shop(fulfilment_url="http://127.0.0.1:9/unused")
+    ids = add_rows(conn, shop, factory.order(shop), 2)
+    started: list[str] = []
+
+    def slow_delivery(client: httpx.Client, claim: Claim) -> Outcome:
+        started.append(claim.id)
+        time.sleep(1.5)  # leaves less than 2 x timeout of the 3 s lease
+        return Outcome("delivered", "test")
+
+    config = OutboxConfig(lease=3, batch=2, concurrency=1, timeout=1)
+    worker = Worker(pool, build_client(config), config, deliver=slow_delivery)
+    assert worker.run_batch() == 2
+    worker.close()
+    [first] = started
+    [second] = [i for i in ids if i != first]
+    assert row(conn, first)["state"] == "delivered"
+    late = row(conn, second)
+    assert late["state"] == "pending" and late["attempts"] == 0 and late["claim_token"] is None
