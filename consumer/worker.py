@@ -54,11 +54,18 @@ class PayhookWorker(SimpleWorker):
 
     An abandoned job (worker SIGKILLed) is retried once its execution entry
     expires: job timeout + `job_grace` seconds after it started, found by the
-    next maintenance pass.
+    next maintenance pass of any worker.
     """
 
     job_class = PayhookJob
     job_grace = 15
+
+    @property
+    def dequeue_timeout(self) -> int:
+        # RQ blocks on an empty queue for worker_ttl - 15 s (405 s by default)
+        # and runs maintenance only between blocks; block no longer than the
+        # maintenance interval so idle workers still recover abandoned jobs.
+        return max(1, min(self.worker_ttl - 15, int(self.maintenance_interval)))
 
     def get_heartbeat_ttl(self, job: Job, working_time: float = 0.0) -> int:
         timeout = job.timeout if job.timeout and job.timeout > 0 else 180

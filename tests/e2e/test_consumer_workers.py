@@ -1,0 +1,115 @@
+"""Real RQ worker processes draining the events queue."""
+
+from __future__ import annotations
+
+import signal
+import uuid
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from redis import Redis
+from rq.job import Job, JobStatus
+from rq.registry import FailedJobRegistry
+from rq.serializers import JSONSerializer
+
+from payhook.queue import enqueue_event, events_queue
+from payhook.settings import Settings
+from tests.factories import Factory, StandardEvent
+from tests.processes import process_env, start, stop, wait_until
+
+FAST = {
+    "PAYHOOK_JOB_TIMEOUT": "3",
+    "PAYHOOK_JOB_GRACE": "2",
+    "PAYHOOK_MAINTENANCE_INTERVAL": "1",
+    "PAYHOOK_JOB_RETRY_INTERVALS": "1,1,1",
+}
+
+
+def fetch(redis_conn: Redis, job_id: str) -> Job:
+    return Job.fetch(job_id, connection=redis_conn, serializer=JSONSerializer)
+
+
+@pytest.mark.slow
+def test_twenty_jobs_of_one_event_drained_by_three_workers_apply_once(
+    settings: Settings, redis_conn: Redis, factory: Factory, tmp_path: Path
+) -> None:
+    shop = factory.shop()
+    order_id = factory.order(shop)
+    event = StandardEvent()
+    queue = events_queue(redis_conn, settings)
+    jobs = []
+    for _ in range(20):
+        env = factory.standard_envelope(shop, event)
+        jobs.append(enqueue_event(queue, env, settings).id)
+    workers = [
+        start(["consumer", "--burst"], process_env(settings), tmp_path / f"w{i}.log")
+        for i in range(3)
+    ]
+    codes = [w.wait(timeout=60) for w in workers]
+    assert codes == [0, 0, 0], [p.read_text()[-2000:] for p in tmp_path.glob("*.log")]
+    outcomes = Counter(fetch(redis_conn, j).return_value()["outcome"] for j in jobs)
+    assert outcomes == {"applied": 1, "duplicate": 19}
+    assert factory.count("payment_event_receipts") == 1
+    assert factory.count("payment_order_transitions", order_id=order_id) == 1
+    assert factory.count("payment_outbox", order_id=order_id) == 1
+    busy = Counter(
+        line.split('"worker": "')[1][:8]
+        for p in tmp_path.glob("*.log")
+        for line in p.read_text().splitlines()
+        if '"consumer_started"' in line
+    )
+    assert len(busy) == 3
+
+
+@pytest.mark.slow
+def test_worker_killed_after_commit_is_retried_without_a_second_effect(
+    settings: Settings, redis_conn: Redis, factory: Factory, tmp_path: Path
+) -> None:
+    """The job is SIGKILLed after its transaction committed, before RQ recorded it."""
+    shop = factory.shop()
+    order_id = factory.order(shop)
+    queue = events_queue(redis_conn, Settings.from_env(process_env(settings, **FAST)))
+    job_id = enqueue_event(
+        queue,
+        factory.standard_envelope(shop, StandardEvent()),
+        Settings.from_env(process_env(settings, **FAST)),
+    ).id
+    env = process_env(settings, **FAST)
+    doomed = start(
+        ["consumer"],
+        env | {"PAYHOOK_FAULTS": "consumer_kill_after_commit"},
+        tmp_path / "doomed.log",
+    )
+    # Only the worker process dies; its scheduler child lives on, as it would
+    # in production, and schedules the retry.
+    assert doomed.wait(timeout=30) == -signal.SIGKILL
+    assert factory.count("payment_event_receipts", outcome="applied") == 1
+    assert fetch(redis_conn, job_id).get_status() == JobStatus.STARTED
+
+    survivor = start(["consumer"], env, tmp_path / "survivor.log")
+    try:
+        wait_until(
+            lambda: fetch(redis_conn, job_id).get_status() == JobStatus.FINISHED,
+            timeout=45,
+            what="the abandoned job to be retried and finish",
+        )
+    finally:
+        stop(survivor)
+        stop(doomed)
+    assert fetch(redis_conn, job_id).return_value()["outcome"] == "duplicate"
+    assert factory.count("payment_order_transitions", order_id=order_id) == 1
+    assert factory.count("payment_outbox", order_id=order_id) == 1
+
+
+def test_job_naming_a_foreign_function_is_refused(
+    settings: Settings, redis_conn: Redis, tmp_path: Path
+) -> None:
+    marker = tmp_path / f"pwned-{uuid.uuid4().hex}"
+    queue = events_queue(redis_conn, settings)
+    job = queue.enqueue("os.system", f"touch {marker}", retry=None)
+    worker = start(["consumer", "--burst"], process_env(settings), tmp_path / "w.log")
+    assert worker.wait(timeout=60) == 0
+    assert not marker.exists()
+    assert job.id in FailedJobRegistry(queue=queue).get_job_ids()
+    assert "ForbiddenJob" in (fetch(redis_conn, job.id).latest_result().exc_string or "")
