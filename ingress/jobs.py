@@ -1,0 +1,210 @@
+"""The Redis commands of one event job, exactly as RQ writes them.
+
+`payhook.queue.enqueue_event` stays the one definition of a job. At start the
+ingress runs it against a connection that only records commands (no I/O),
+keeps those commands as a template, and marks the values that change from one
+job to the next: the job id, the compressed call data and two timestamps.
+Each request fills them in; no RQ object is built on the request path.
+
+A second recording, for another envelope, must come out identical to the
+template rendered for that envelope; if RQ ever writes something else per job,
+the ingress refuses to start rather than write jobs the workers cannot run.
+"""
+
+from __future__ import annotations
+
+import base64
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from redis import Redis
+from redis.client import Pipeline
+from rq.serializers import JSONSerializer
+from rq.utils import now, utcformat
+
+from payhook.envelope import Envelope
+from payhook.errors import PayhookError
+from payhook.queue import APPLY_EVENT, enqueue_event, events_queue
+from payhook.settings import Settings
+
+#: Hash fields RQ sets to the time of enqueueing.
+TIME_FIELDS = frozenset({b"created_at", b"enqueued_at"})
+#: Hash field holding the compressed, serialized call.
+DATA_FIELD = b"data"
+
+Command = list[bytes]
+
+
+class JobFormatChanged(PayhookError):
+    """RQ writes an event job differently than the ingress expects."""
+
+
+class _RecordingPipeline(Pipeline):
+    """A pipeline whose `execute` records its commands instead of sending them."""
+
+    sink: list[Command]
+
+    def execute(self, raise_on_error: bool = True) -> list[Any]:
+        encoder = self.connection_pool.get_encoder()
+        for args, _options in self.command_stack:
+            # redis-py's encoder is unannotated; it turns str, int and float into bytes.
+            self.sink.append([encoder.encode(arg) for arg in args])  # type: ignore[no-untyped-call]
+        replies = [1] * len(self.command_stack)
+        self.reset()
+        return replies
+
+
+class _RecordingRedis(Redis):
+    """A client that never connects: pipelines record, direct commands fail."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sink: list[Command] = []
+
+    def pipeline(self, transaction: bool = True, shard_hint: str | None = None) -> Pipeline:
+        pipe = _RecordingPipeline(
+            self.connection_pool, self.response_callbacks, transaction, shard_hint
+        )
+        pipe.sink = self.sink
+        return pipe
+
+    def execute_command(self, *args: Any, **options: Any) -> Any:
+        raise JobFormatChanged(f"RQ sent {args[0]!r} outside a pipeline while enqueueing")
+
+
+def record_commands(settings: Settings, envelope: Envelope) -> list[Command]:
+    """The commands `enqueue_event` sends for `envelope`, recorded without I/O."""
+    connection = _RecordingRedis()
+    queue = events_queue(connection, settings)
+    # RQ asks the server its version before enqueueing; nothing it writes depends on it.
+    queue.redis_server_version = (7, 0, 0)
+    enqueue_event(queue, envelope, settings)
+    return connection.sink
+
+
+def call_data(envelope: Envelope) -> bytes:
+    """The `data` field of the job: the call, serialized as RQ's JSONSerializer does."""
+    call: tuple[str, None, tuple[dict[str, Any]], dict[str, Any]] = (
+        APPLY_EVENT,
+        None,
+        (envelope.to_json(),),
+        {},
+    )
+    # RQ's serializer is unannotated; it returns UTF-8 JSON bytes.
+    data: bytes = JSONSerializer.dumps(call)  # type: ignore[no-untyped-call]
+    return zlib.compress(data)
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """A value that changes per job."""
+
+    kind: str  # "id", "data" or "time"
+    #: For "id": the text around the probe's id, where the new id goes.
+    parts: tuple[bytes, ...] = ()
+    #: For "time": the hash field it belongs to.
+    field: bytes = b""
+
+
+Arg = bytes | _Slot
+
+
+class JobTemplate:
+    """RQ's commands for one event job, with slots for what changes per job."""
+
+    def __init__(self, commands: Sequence[Sequence[Arg]], queue_key: bytes) -> None:
+        self._commands = [list(command) for command in commands]
+        #: The Redis list the consumers pop from.
+        self.queue_key = queue_key
+
+    @classmethod
+    def from_rq(cls, settings: Settings) -> JobTemplate:
+        """Record the job RQ writes, and prove the template reproduces a second one."""
+        probe = _probe_envelope(1)
+        template = cls(_slots(record_commands(settings, probe), probe), _queue_key(settings))
+        check = _probe_envelope(2)
+        recorded = record_commands(settings, check)
+        times = _times(recorded)
+        if template.render(check, times) != recorded:
+            raise JobFormatChanged(
+                "the job recorded from RQ differs from the template in more than its id, "
+                "data and timestamps; update ingress.jobs for this RQ version"
+            )
+        return template
+
+    def commands(self, envelope: Envelope) -> list[Command]:
+        """The commands that enqueue `envelope` now."""
+        stamp = utcformat(now()).encode()
+        return self.render(envelope, {field: stamp for field in TIME_FIELDS})
+
+    def render(self, envelope: Envelope, times: dict[bytes, bytes]) -> list[Command]:
+        job_id = envelope.delivery_id.encode()
+        data = call_data(envelope)
+        rendered: list[Command] = []
+        for command in self._commands:
+            out: Command = []
+            for arg in command:
+                if isinstance(arg, bytes):
+                    out.append(arg)
+                elif arg.kind == "id":
+                    out.append(job_id.join(arg.parts))
+                elif arg.kind == "data":
+                    out.append(data)
+                else:
+                    out.append(times[arg.field])
+            rendered.append(out)
+        return rendered
+
+
+def _slots(commands: list[Command], probe: Envelope) -> list[list[Arg]]:
+    probe_id = probe.delivery_id.encode()
+    result: list[list[Arg]] = []
+    for command in commands:
+        args: list[Arg] = []
+        for index, arg in enumerate(command):
+            field = command[index - 1] if _is_hash_value(command, index) else None
+            if field in TIME_FIELDS:
+                args.append(_Slot("time", field=field))
+            elif field == DATA_FIELD:
+                args.append(_Slot("data"))
+            elif probe_id in arg:
+                args.append(_Slot("id", parts=tuple(arg.split(probe_id))))
+            else:
+                args.append(arg)
+        result.append(args)
+    if not any(isinstance(arg, _Slot) and arg.kind == "data" for cmd in result for arg in cmd):
+        raise JobFormatChanged("RQ wrote no data field for the event job")
+    return result
+
+
+def _is_hash_value(command: Command, index: int) -> bool:
+    """Whether `command[index]` is a value in `HSET key field value [field value ...]`."""
+    return command[0].upper() == b"HSET" and index >= 3 and index % 2 == 1
+
+
+def _times(commands: list[Command]) -> dict[bytes, bytes]:
+    times: dict[bytes, bytes] = {}
+    for command in commands:
+        for index, arg in enumerate(command):
+            if _is_hash_value(command, index) and command[index - 1] in TIME_FIELDS:
+                times[command[index - 1]] = arg
+    return times
+
+
+def _queue_key(settings: Settings) -> bytes:
+    key = events_queue(_RecordingRedis(), settings).key
+    return key.encode() if isinstance(key, str) else bytes(key)
+
+
+def _probe_envelope(number: int) -> Envelope:
+    body = b'{"probe": %d}' % number
+    return Envelope(
+        endpoint_id=f"00000000-0000-4000-8000-{number:012d}",
+        body=body,
+        headers={"webhook-id": f"probe_{number}", "x-probe": base64.b64encode(body).decode()},
+        received_at=datetime(2000, 1, number, tzinfo=UTC),
+        delivery_id=f"00000000-0000-4000-9000-{number:012d}",
+    )
