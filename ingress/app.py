@@ -1,0 +1,73 @@
+"""Wiring of one ingress process: `create_app(settings)` builds the ASGI app.
+
+Building does no I/O. The lifespan loads the endpoint cache (waiting for the
+first load, so a ready process has endpoints), starts its refresh, and on
+shutdown stops it and closes Redis and PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+from starlette.applications import Starlette
+
+from ingress.config import IngressConfig
+from ingress.endpoints import EndpointCache, Loader, PostgresEndpoints, Refresher
+from ingress.enqueue import Enqueuer
+from ingress.metrics import Metrics
+from ingress.routes import ROUTES
+from payhook.settings import Settings
+
+
+class Ingress:
+    """What the routes use, built once per process."""
+
+    def __init__(self, settings: Settings, load_endpoints: Loader | None = None) -> None:
+        self.settings = settings
+        self.config = IngressConfig.from_settings(settings)
+        self.retry_after = {"retry-after": str(self.config.retry_after)}
+        self.metrics = Metrics()
+        self.cache = EndpointCache()
+        self._postgres: PostgresEndpoints | None = None
+        if load_endpoints is None:
+            self._postgres = load_endpoints = PostgresEndpoints(settings.database_url)
+        self.refresher = Refresher(
+            self.cache, load_endpoints, settings.endpoint_refresh, on_result=self._count_refresh
+        )
+        self.enqueuer = Enqueuer(settings)
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        await self.refresher.refresh()
+        self._task = asyncio.create_task(self.refresher.run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self.enqueuer.close()
+        if self._postgres is not None:
+            await self._postgres.close()
+
+    def _count_refresh(self, ok: bool) -> None:
+        self.metrics.endpoint_refreshes.labels("ok" if ok else "failed").inc()
+
+
+def create_app(settings: Settings, *, load_endpoints: Loader | None = None) -> Starlette:
+    """The ingress app; `load_endpoints` replaces the PostgreSQL reader (tests, benchmarks)."""
+    ingress = Ingress(settings, load_endpoints)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await ingress.start()
+        try:
+            yield
+        finally:
+            await ingress.stop()
+
+    app = Starlette(routes=ROUTES, lifespan=lifespan)
+    app.state.ingress = ingress
+    return app

@@ -1,0 +1,31 @@
+"""Read a request body up to a limit, and not one byte more."""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+
+from payhook.errors import PayhookError
+
+
+class BodyTooLarge(PayhookError):
+    """The request body is larger than the ingress accepts."""
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The whole body, or `BodyTooLarge` as soon as it is known to exceed `limit` bytes.
+
+    A declared `Content-Length` over the limit is refused before reading
+    anything; a body streamed without one is read chunk by chunk and
+    abandoned at the first chunk that crosses the limit.
+    """
+    declared = request.headers.get("content-length", "")
+    if declared.isascii() and declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge()
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge()
+        chunks.append(chunk)
+    return b"".join(chunks)

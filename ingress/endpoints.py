@@ -1,0 +1,152 @@
+"""The in-memory copy of the webhook endpoints, refreshed in the background.
+
+Requests read only this copy: PostgreSQL is never on the request path. The
+whole table is read at start and then every `settings.endpoint_refresh`
+seconds, so a new endpoint or a rotated secret works within one interval, an
+unknown id costs no query whatever the traffic (the table is read once per
+interval, however many ids are asked for), and while PostgreSQL is away the
+last good copy keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+
+import psycopg
+import structlog
+from psycopg.rows import dict_row
+
+from payhook.db import connection_kwargs
+from payhook.queries import query
+
+log = structlog.get_logger(__name__)
+
+#: Seconds one refresh (connect and query) may take before it counts as failed.
+REFRESH_TIMEOUT = 10.0
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    id: str
+    tenant_id: str
+    gateway: str
+    #: Active secrets, newest first; kept out of every repr.
+    secrets: tuple[str, ...] = field(repr=False)
+
+
+Loader = Callable[[], Awaitable[list[Endpoint]]]
+
+
+class EndpointCache:
+    """Endpoints by id; empty and not `loaded` until the first refresh succeeds."""
+
+    def __init__(self) -> None:
+        self._endpoints: dict[str, Endpoint] = {}
+        #: `time.monotonic()` of the last successful refresh, None before the first.
+        self.refreshed_at: float | None = None
+
+    @property
+    def loaded(self) -> bool:
+        return self.refreshed_at is not None
+
+    def __len__(self) -> int:
+        return len(self._endpoints)
+
+    def get(self, endpoint_id: str) -> Endpoint | None:
+        return self._endpoints.get(endpoint_id)
+
+    def replace(self, endpoints: Iterable[Endpoint]) -> None:
+        self._endpoints = {endpoint.id: endpoint for endpoint in endpoints}
+        self.refreshed_at = time.monotonic()
+
+    def age(self) -> float | None:
+        """Seconds since the last successful refresh."""
+        return None if self.refreshed_at is None else time.monotonic() - self.refreshed_at
+
+
+class PostgresEndpoints:
+    """Reads every endpoint over one connection, reconnecting after a failure."""
+
+    def __init__(self, database_url: str) -> None:
+        self._url = database_url
+        self._conn: psycopg.AsyncConnection[psycopg.rows.DictRow] | None = None
+
+    async def __call__(self) -> list[Endpoint]:
+        try:
+            if self._conn is None or self._conn.closed:
+                self._conn = await psycopg.AsyncConnection.connect(
+                    self._url, **(connection_kwargs("ingress") | {"row_factory": dict_row})
+                )
+            cursor = await self._conn.execute(query("list_endpoints"))
+            rows = await cursor.fetchall()
+        except BaseException:
+            await self.close()
+            raise
+        return [
+            Endpoint(
+                id=str(row["id"]),
+                tenant_id=str(row["tenant_id"]),
+                gateway=row["gateway"],
+                secrets=tuple(row["secrets"]),
+            )
+            for row in rows
+        ]
+
+    async def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None and not conn.closed:
+            await conn.close()
+
+
+class Refresher:
+    """Reloads the cache every `interval` seconds; a failure keeps the last good copy."""
+
+    def __init__(
+        self,
+        cache: EndpointCache,
+        load: Loader,
+        interval: float,
+        on_result: Callable[[bool], None] | None = None,
+    ) -> None:
+        self.cache = cache
+        self.load = load
+        self.interval = interval
+        self._on_result = on_result
+
+    async def refresh(self) -> bool:
+        """One reload; whether it succeeded."""
+        try:
+            async with asyncio.timeout(REFRESH_TIMEOUT):
+                endpoints = await self.load()
+        except (psycopg.Error, OSError, TimeoutError) as exc:
+            log.warning(
+                "endpoints_refresh_failed",
+                error=exc.__class__.__name__,
+                cache_age_s=_round(self.cache.age()),
+                endpoints=len(self.cache),
+            )
+            self._report(False)
+            return False
+        first = not self.cache.loaded
+        self.cache.replace(endpoints)
+        if first:
+            log.info("endpoints_loaded", endpoints=len(endpoints))
+        self._report(True)
+        return True
+
+    async def run(self) -> None:
+        """Refresh forever; the caller cancels the task to stop it."""
+        while True:
+            await asyncio.sleep(self.interval)
+            await self.refresh()
+
+    def _report(self, ok: bool) -> None:
+        if self._on_result is not None:
+            self._on_result(ok)
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 1)

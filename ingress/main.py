@@ -1,0 +1,44 @@
+"""Run the ingress under uvicorn: `payhook ingress --host --port --workers`."""
+
+from __future__ import annotations
+
+import os
+
+import uvicorn
+from starlette.applications import Starlette
+
+from ingress.app import create_app
+from ingress.config import IngressConfig
+from payhook.errors import SettingsError
+from payhook.logs import configure_logging
+from payhook.settings import Settings
+
+
+def app_from_env() -> Starlette:
+    """The factory each uvicorn worker calls: settings from its environment."""
+    settings = Settings.from_env(os.environ)
+    configure_logging(settings.log_level)
+    return create_app(settings)
+
+
+def run(settings: Settings, host: str, port: int, workers: int = 1) -> int:
+    """Serve until stopped; settings are checked here so a bad one fails before binding."""
+    IngressConfig.from_settings(settings)
+    if workers < 1:
+        raise SettingsError(f"--workers: expected a number above zero, got {workers}")
+    if not 0 <= port <= 65535:
+        raise SettingsError(f"--port: expected 0 to 65535, got {port}")
+    configure_logging(settings.log_level)
+    uvicorn.run(
+        "ingress.main:app_from_env",
+        factory=True,
+        host=host,
+        port=port,
+        workers=workers,
+        log_level=settings.log_level.lower(),
+        # One structlog line per request is written by the route itself.
+        access_log=False,
+        server_header=False,
+        lifespan="on",
+    )
+    return 0

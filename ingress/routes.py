@@ -1,0 +1,161 @@
+"""The HTTP routes: the webhook receiver and the operational probes."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+import structlog
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from ingress.body import BodyTooLarge, read_body
+from ingress.enqueue import EnqueueFailed
+from payhook.envelope import Envelope
+from payhook.errors import MalformedEvent, MalformedHeaders, SignatureError
+from payhook.gateways import get_gateway, standard, stripe
+
+if TYPE_CHECKING:
+    from ingress.app import Ingress
+
+log = structlog.get_logger(__name__)
+
+#: Seconds a signed timestamp may differ from our clock, per gateway.
+TOLERANCES = {"standard": standard.TOLERANCE, "stripe": stripe.TOLERANCE}
+#: Why a signature check failed, for logs and metrics only: never in a response.
+REASONS = {
+    "MalformedHeaders": "malformed_headers",
+    "SignatureMismatch": "signature_mismatch",
+    "TimestampOutOfTolerance": "timestamp_out_of_tolerance",
+}
+JSON = "application/json"
+
+
+def _error(status: int, error: str, headers: dict[str, str] | None = None) -> Response:
+    body = json.dumps({"error": error}).encode()
+    return Response(body, status_code=status, media_type=JSON, headers=headers)
+
+
+async def receive_webhook(request: Request) -> Response:
+    """`POST /webhooks/{endpoint_id}`: authenticate, enqueue, acknowledge."""
+    ingress: Ingress = request.app.state.ingress
+    started = time.perf_counter()
+    line: dict[str, Any] = {"endpoint_id": None, "gateway": None}
+    response = await _receive(ingress, request, line)
+    line["duration_ms"] = round((time.perf_counter() - started) * 1000, 2)
+    ingress.metrics.requests.labels(line["gateway"] or "none", str(response.status_code)).inc()
+    log.info("webhook_received", status=response.status_code, **line)
+    return response
+
+
+async def _receive(ingress: Ingress, request: Request, line: dict[str, Any]) -> Response:
+    try:
+        endpoint_id = str(uuid.UUID(request.path_params["endpoint_id"]))
+    except ValueError:
+        line["reason"] = "unknown_endpoint"
+        return _error(404, "not_found")
+    line["endpoint_id"] = endpoint_id
+    if not ingress.cache.loaded:
+        line["reason"] = "endpoints_not_loaded"
+        return _error(503, "unavailable", ingress.retry_after)
+    endpoint = ingress.cache.get(endpoint_id)
+    if endpoint is None:
+        line["reason"] = "unknown_endpoint"
+        return _error(404, "not_found")
+    line["tenant_id"] = endpoint.tenant_id
+    line["gateway"] = endpoint.gateway
+    try:
+        body = await read_body(request, ingress.settings.max_body)
+    except BodyTooLarge:
+        line["reason"] = "body_too_large"
+        # Close the connection: whatever the sender still streams is never read.
+        return _error(413, "payload_too_large", {"connection": "close"})
+    except ClientDisconnect:
+        line["reason"] = "client_disconnected"
+        return _error(400, "bad_request")
+    line["bytes"] = len(body)
+
+    gateway = get_gateway(endpoint.gateway)
+    try:
+        gateway.verify(
+            request.headers,
+            body,
+            endpoint.secrets,
+            now=time.time(),
+            tolerance=TOLERANCES[gateway.name],
+        )
+    except SignatureError as exc:
+        reason = REASONS.get(exc.__class__.__name__, "signature_invalid")
+        line["reason"] = reason
+        ingress.metrics.signature_failures.labels(gateway.name, reason).inc()
+        if isinstance(exc, MalformedHeaders):
+            return _error(400, "bad_request")
+        return _error(401, "unauthorized")
+
+    # Authentic from here on; the event id is read for the log line only. A
+    # body payhook cannot read is still queued: the consumer records it.
+    try:
+        event = gateway.parse(request.headers, body)
+        line["event_id"], line["event_type"] = event.event_id, event.event_type
+    except (MalformedEvent, RecursionError):
+        line["event_unreadable"] = True
+
+    envelope = Envelope(
+        endpoint_id=endpoint.id,
+        body=body,
+        headers={
+            name: request.headers[name]
+            for name in gateway.signature_headers
+            if name in request.headers
+        },
+        received_at=datetime.now(UTC),
+        delivery_id=str(uuid.uuid4()),
+    )
+    line["delivery_id"] = envelope.delivery_id
+    try:
+        seconds = await ingress.enqueuer.enqueue(envelope)
+    except EnqueueFailed as exc:
+        line["reason"] = "enqueue_failed"
+        line["error"] = str(exc)
+        return _error(503, "unavailable", ingress.retry_after)
+    ingress.metrics.enqueue_seconds.observe(seconds)
+    body_202 = json.dumps({"delivery_id": envelope.delivery_id}).encode()
+    return Response(body_202, status_code=202, media_type=JSON)
+
+
+async def healthz(request: Request) -> Response:
+    """The process is alive and its event loop answers."""
+    return Response(b'{"status": "ok"}', media_type=JSON)
+
+
+async def readyz(request: Request) -> Response:
+    """Ready to accept events: Redis answers and the endpoint cache is loaded."""
+    ingress: Ingress = request.app.state.ingress
+    checks = {"redis": await ingress.enqueuer.ping(), "endpoints": ingress.cache.loaded}
+    ready = all(checks.values())
+    body = {"status": "ready" if ready else "not_ready"} | checks
+    return Response(json.dumps(body).encode(), status_code=200 if ready else 503, media_type=JSON)
+
+
+async def metrics(request: Request) -> Response:
+    """Prometheus text; the queue depth and cache age are read now."""
+    ingress: Ingress = request.app.state.ingress
+    depth = await ingress.enqueuer.depth()
+    age = ingress.cache.age()
+    ingress.metrics.queue_depth.set(float("nan") if depth is None else depth)
+    ingress.metrics.endpoints_age.set(float("nan") if age is None else age)
+    ingress.metrics.endpoints.set(len(ingress.cache))
+    return Response(ingress.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+ROUTES = [
+    Route("/webhooks/{endpoint_id}", receive_webhook, methods=["POST"]),
+    Route("/healthz", healthz, methods=["GET"]),
+    Route("/readyz", readyz, methods=["GET"]),
+    Route("/metrics", metrics, methods=["GET"]),
+]
