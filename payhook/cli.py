@@ -190,7 +190,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--url", required=True, help="the endpoint's full webhook URL")
     p.add_argument("--gateway", default="standard", choices=["standard", "stripe"])
     p.add_argument("--secret", required=True)
-    p.add_argument("--type", default="payment.succeeded", help="the gateway's event type")
+    p.add_argument(
+        "--type",
+        help="the gateway's event type (default: payment.succeeded for standard, "
+        "payment_intent.succeeded for stripe)",
+    )
     p.add_argument("--merchant-ref")
     p.add_argument("--gateway-order-id", required=True)
     p.add_argument("--amount", type=int, required=True, help="in minor units")

@@ -1,0 +1,215 @@
+"""`payhook send`: sign an event and POST it the way a gateway does.
+
+The demo and debugging tool, like the Stripe CLI's `trigger`. With
+`--copies N` the same signed request (same event id, timestamp and bytes) is
+sent N times, `--concurrency C` at a time: a gateway's duplicate storm. Each
+response is printed as one JSON line; the exit status is 0 when every copy
+was accepted (2xx), 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import httpx
+
+from payhook.errors import PayhookError
+from payhook.gateways import standard, stripe
+from payhook.settings import Settings
+
+#: Seconds one request may take, connecting included.
+REQUEST_TIMEOUT = 10.0
+#: The event type sent when `--type` is not given, per gateway.
+DEFAULT_TYPES = {"standard": "payment.succeeded", "stripe": "payment_intent.succeeded"}
+#: Stripe's API version stamped on the events it sends.
+STRIPE_API_VERSION = "2024-06-20"
+
+
+@dataclass(frozen=True)
+class Event:
+    """What to send, in payhook's terms; amounts in minor units."""
+
+    gateway: str
+    event_type: str
+    gateway_order_id: str
+    amount: int
+    currency: str
+    merchant_reference: str | None = None
+    event_id: str | None = None
+
+
+@dataclass(frozen=True)
+class SignedRequest:
+    event_id: str
+    body: bytes
+    headers: dict[str, str]
+
+
+def sign_event(event: Event, secret: str, timestamp: int | None = None) -> SignedRequest:
+    """The body and headers a gateway would send for `event`, signed with `secret`."""
+    timestamp = int(time.time()) if timestamp is None else timestamp
+    if event.gateway == "standard":
+        event_id = event.event_id or f"msg_{uuid.uuid4().hex}"
+        body = standard_body(event, timestamp)
+        try:
+            signature = standard.sign(secret, event_id, timestamp, body)
+        except ValueError as exc:
+            raise PayhookError(f"--secret: {exc}") from None
+        headers = {
+            "webhook-id": event_id,
+            "webhook-timestamp": str(timestamp),
+            "webhook-signature": signature,
+        }
+    elif event.gateway == "stripe":
+        event_id = event.event_id or f"evt_{uuid.uuid4().hex[:24]}"
+        body = stripe_body(event, event_id, timestamp)
+        headers = {"stripe-signature": stripe.sign(secret, timestamp, body)}
+    else:
+        raise PayhookError(f"--gateway: expected standard or stripe, got {event.gateway!r}")
+    headers["content-type"] = "application/json"
+    headers["user-agent"] = "payhook-send"
+    return SignedRequest(event_id, body, headers)
+
+
+def standard_body(event: Event, timestamp: int) -> bytes:
+    data: dict[str, Any] = {
+        "gateway_order_id": event.gateway_order_id,
+        "amount": event.amount,
+        "currency": event.currency.upper(),
+    }
+    if event.merchant_reference is not None:
+        data["merchant_reference"] = event.merchant_reference
+    payload = {
+        "type": event.event_type,
+        "timestamp": datetime.fromtimestamp(timestamp, UTC).isoformat(),
+        "data": data,
+    }
+    return json.dumps(payload).encode()
+
+
+def stripe_body(event: Event, event_id: str, timestamp: int) -> bytes:
+    """A Stripe event object as Stripe posts it, for the object its type names."""
+    currency = event.currency.lower()
+    metadata = {"order_id": event.merchant_reference} if event.merchant_reference else {}
+    obj: dict[str, Any]
+    if event.event_type.startswith("charge.dispute."):
+        obj = {
+            "id": f"dp_{uuid.uuid4().hex[:24]}",
+            "object": "dispute",
+            "amount": event.amount,
+            "charge": f"ch_{uuid.uuid4().hex[:24]}",
+            "currency": currency,
+            "payment_intent": event.gateway_order_id,
+            "reason": "fraudulent",
+            "status": "needs_response",
+            "metadata": metadata,
+        }
+    elif event.event_type.startswith("charge."):
+        obj = {
+            "id": f"ch_{uuid.uuid4().hex[:24]}",
+            "object": "charge",
+            "amount": event.amount,
+            "amount_captured": event.amount,
+            "amount_refunded": event.amount if event.event_type == "charge.refunded" else 0,
+            "currency": currency,
+            "payment_intent": event.gateway_order_id,
+            "refunded": event.event_type == "charge.refunded",
+            "status": "succeeded",
+            "metadata": metadata,
+        }
+    else:
+        failed = event.event_type == "payment_intent.payment_failed"
+        obj = {
+            "id": event.gateway_order_id,
+            "object": "payment_intent",
+            "amount": event.amount,
+            "amount_received": 0 if failed else event.amount,
+            "currency": currency,
+            "status": "requires_payment_method" if failed else "succeeded",
+            "last_payment_error": {"code": "card_declined"} if failed else None,
+            "metadata": metadata,
+        }
+    payload = {
+        "id": event_id,
+        "object": "event",
+        "api_version": STRIPE_API_VERSION,
+        "created": timestamp,
+        "data": {"object": obj},
+        "livemode": False,
+        "pending_webhooks": 1,
+        "request": {"id": None, "idempotency_key": None},
+        "type": event.event_type,
+    }
+    return json.dumps(payload).encode()
+
+
+async def send_copies(
+    url: str,
+    request: SignedRequest,
+    copies: int,
+    concurrency: int,
+    transport: httpx.AsyncBaseTransport | None = None,
+) -> list[dict[str, Any]]:
+    """POST the same request `copies` times, `concurrency` at a time; one result per copy."""
+    gate = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency)
+    async with httpx.AsyncClient(
+        timeout=REQUEST_TIMEOUT, limits=limits, transport=transport
+    ) as client:
+
+        async def post(copy: int) -> dict[str, Any]:
+            async with gate:
+                started = time.perf_counter()
+                try:
+                    response = await client.post(url, content=request.body, headers=request.headers)
+                except httpx.HTTPError as exc:
+                    result: dict[str, Any] = {"error": f"{exc.__class__.__name__}: {exc}"}
+                else:
+                    result = {"status": response.status_code, "body": _body(response)}
+                    if "retry-after" in response.headers:
+                        result["retry_after"] = response.headers["retry-after"]
+                elapsed = round((time.perf_counter() - started) * 1000, 1)
+                line = {"copy": copy, "event_id": request.event_id} | result | {"ms": elapsed}
+                print(json.dumps(line), flush=True)
+                return line
+
+        return list(await asyncio.gather(*(post(n) for n in range(1, copies + 1))))
+
+
+def _body(response: httpx.Response) -> Any:
+    try:
+        return response.json()
+    except ValueError:
+        return response.text
+
+
+def run(args: argparse.Namespace, settings: Settings) -> int:
+    """`payhook send`; settings are unused: everything comes from the arguments."""
+    if args.copies < 1:
+        raise PayhookError("--copies must be at least 1")
+    if args.concurrency < 1:
+        raise PayhookError("--concurrency must be at least 1")
+    if args.amount < 0:
+        raise PayhookError("--amount must be a whole number of minor units, zero or more")
+    if not args.url.startswith(("http://", "https://")):
+        raise PayhookError("--url must be an http:// or https:// URL")
+    event = Event(
+        gateway=args.gateway,
+        event_type=args.type or DEFAULT_TYPES[args.gateway],
+        gateway_order_id=args.gateway_order_id,
+        amount=args.amount,
+        currency=args.currency,
+        merchant_reference=args.merchant_ref,
+        event_id=args.event_id,
+    )
+    request = sign_event(event, args.secret)
+    results = asyncio.run(send_copies(args.url, request, args.copies, args.concurrency))
+    accepted = all(200 <= result.get("status", 0) < 300 for result in results)
+    return 0 if accepted else 1
