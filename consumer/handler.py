@@ -6,18 +6,18 @@ import hashlib
 import json
 import os
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
 import structlog
-from psycopg_pool import ConnectionPool
 
+from consumer.endpoints import EndpointCache
 from consumer.transaction import Applied, Endpoint, apply_with_retries
-from payhook.db import Row, execute, fetch_one
+from payhook.db import Pool, Row, execute
 from payhook.envelope import Envelope, MalformedJob
-from payhook.errors import MalformedEvent, SignatureError
-from payhook.gateways import Event, get_gateway
+from payhook.errors import MalformedEvent, SignatureError, SignatureMismatch
+from payhook.gateways import Event, Gateway, get_gateway
 from payhook.settings import Settings
 
 log = structlog.get_logger(__name__)
@@ -31,7 +31,8 @@ class Runtime:
     """What a job needs, built once per worker process."""
 
     settings: Settings
-    pool: ConnectionPool
+    pool: Pool
+    endpoints: EndpointCache = field(default_factory=EndpointCache)
 
 
 def handle(runtime: Runtime, data: object) -> Applied:
@@ -46,28 +47,28 @@ def handle(runtime: Runtime, data: object) -> Applied:
         delivery_id=envelope.delivery_id, endpoint_id=envelope.endpoint_id
     )
     with runtime.pool.connection() as conn:
-        row = fetch_one(conn, "get_endpoint", {"endpoint_id": envelope.endpoint_id})
-        if row is None:
+        endpoint, fresh = runtime.endpoints.get(conn, envelope.endpoint_id)
+        if endpoint is None:
             _anomaly(runtime, "unknown_endpoint", conn=conn, envelope=envelope)
             log.error("endpoint_unknown")
             return Applied("unknown_endpoint")
-        endpoint = Endpoint(
-            id=str(row["id"]),
-            tenant_id=str(row["tenant_id"]),
-            gateway=row["gateway"],
-            secrets=tuple(row["secrets"]),
-        )
         structlog.contextvars.bind_contextvars(tenant_id=endpoint.tenant_id)
         gateway = get_gateway(endpoint.gateway)
         try:
-            # Freshness was the ingress's check; a retried job may be hours old.
-            gateway.verify(
-                envelope.headers, envelope.body, endpoint.secrets, now=None, tolerance=None
-            )
-        except SignatureError as exc:
-            _anomaly(runtime, "signature_invalid", conn=conn, envelope=envelope, endpoint=endpoint)
-            log.error("job_signature_invalid", reason=exc.__class__.__name__)
-            return Applied("signature_invalid")
+            _verify(gateway, envelope, endpoint)
+        except SignatureError:
+            if not fresh:  # perhaps signed with a secret rotated in since we cached
+                endpoint, _ = runtime.endpoints.get(conn, envelope.endpoint_id, fresh=True)
+            try:
+                if endpoint is None:
+                    raise SignatureMismatch() from None
+                _verify(gateway, envelope, endpoint)
+            except SignatureError as exc:
+                _anomaly(
+                    runtime, "signature_invalid", conn=conn, envelope=envelope, endpoint=endpoint
+                )
+                log.error("job_signature_invalid", reason=exc.__class__.__name__)
+                return Applied("signature_invalid")
         forced = None
         try:
             event = gateway.parse(envelope.headers, envelope.body)
@@ -86,6 +87,11 @@ def handle(runtime: Runtime, data: object) -> Applied:
         log.warning("fault_kill_after_commit")
         os.kill(os.getpid(), signal.SIGKILL)
     return result
+
+
+def _verify(gateway: Gateway, envelope: Envelope, endpoint: Endpoint) -> None:
+    # Freshness was the ingress's check; a retried job may be hours old.
+    gateway.verify(envelope.headers, envelope.body, endpoint.secrets, now=None, tolerance=None)
 
 
 def _unreadable(envelope: Envelope, exc: MalformedEvent) -> Event:

@@ -25,8 +25,9 @@ import structlog
 from psycopg.types.json import Jsonb
 
 from consumer.rules import Decision, Order, decide
-from payhook.db import Row, execute, fetch_all, fetch_one
+from payhook.db import Row, execute, fetch_one
 from payhook.gateways import Event
+from payhook.queries import query
 
 log = structlog.get_logger(__name__)
 
@@ -101,10 +102,12 @@ def apply_event(
     else (`ignored` for unknown types, `malformed` for unreadable bodies).
     """
     key = {"tenant_id": endpoint.tenant_id, "event_id": event.event_id}
-    with conn.transaction():
-        inserted = fetch_one(
-            conn,
-            "insert_receipt",
+    acting = forced_outcome is None and event.kind is not None
+    # Pipeline mode: BEGIN, the receipt insert and the order lock travel in
+    # one round trip, the writes in a second, COMMIT in a third.
+    with conn.pipeline() as pipeline, conn.transaction():
+        receipt = conn.execute(
+            query("insert_receipt"),
             key
             | {
                 "event_type": event.event_type,
@@ -115,10 +118,24 @@ def apply_event(
                 "occurred_at": event.occurred_at,
             },
         )
-        if inserted is None:
+        # Locked after the receipt, in the same transaction: the lock order
+        # is always receipt, then order. A duplicate holds it only briefly.
+        locked = (
+            conn.execute(
+                query("lock_order"),
+                {
+                    "tenant_id": endpoint.tenant_id,
+                    "merchant_reference": event.merchant_reference,
+                    "gateway_order_id": event.gateway_order_id,
+                },
+            )
+            if acting
+            else None
+        )
+        if receipt.fetchone() is None:
             return _duplicate(conn, endpoint, event, delivery_id)
 
-        if forced_outcome is not None or event.kind is None:
+        if locked is None:
             outcome = forced_outcome or "ignored"
             exception_id = None
             if outcome == "malformed":
@@ -126,26 +143,22 @@ def apply_event(
             _mark(conn, key, outcome, None)
             return Applied(outcome, exception_id=exception_id)
 
-        rows = fetch_all(
-            conn,
-            "lock_order",
-            {
-                "tenant_id": endpoint.tenant_id,
-                "merchant_reference": event.merchant_reference,
-                "gateway_order_id": event.gateway_order_id,
-            },
-        )
-        orders = [_order(row) for row in rows]
+        orders = [_order(row) for row in locked.fetchall()]
         decision = decide(event, orders)
         order_id = orders[0].id if len(orders) == 1 else None
 
         exception_id = None
         if decision.outcome == "applied":
             assert orders and decision.to_state is not None
-            _transition(conn, endpoint, event, orders[0], decision)
-        elif decision.is_exception:
-            exception_id = _record_exception(conn, endpoint, event, order_id, decision)
-        _mark(conn, key, decision.outcome, order_id)
+            moved = _transition(conn, endpoint, event, orders[0], decision)
+            _mark(conn, key, decision.outcome, order_id)
+            pipeline.sync()
+            if moved.rowcount != 1:
+                raise AssertionError("the order is locked, its state cannot have moved")
+        else:
+            if decision.is_exception:
+                exception_id = _record_exception(conn, endpoint, event, order_id, decision)
+            _mark(conn, key, decision.outcome, order_id)
     return Applied(decision.outcome, order_id, exception_id)
 
 
@@ -180,7 +193,8 @@ def _transition(
     event: Event,
     order: Order,
     decision: Decision,
-) -> None:
+) -> psycopg.Cursor[Row]:
+    """Queue the state change, its audit row and its outbox row; the UPDATE's cursor."""
     params: dict[str, Any] = {
         "tenant_id": endpoint.tenant_id,
         "order_id": order.id,
@@ -190,9 +204,8 @@ def _transition(
         "refunded_minor": decision.refunded_minor,
         "amount_minor": event.amount_minor,
     }
-    updated = execute(conn, "update_order_state", params)
-    assert updated == 1, "the order is locked, its state cannot have moved"
-    execute(conn, "insert_transition", params)
+    moved = conn.execute(query("update_order_state"), params)
+    conn.execute(query("insert_transition"), params)
     if decision.action is not None:
         payload = {
             "action": decision.action,
@@ -204,11 +217,11 @@ def _transition(
             "amount_minor": event.amount_minor,
             "currency": order.currency,
         }
-        execute(
-            conn,
-            "insert_outbox",
+        conn.execute(
+            query("insert_outbox"),
             params | {"id": uuid.uuid4(), "action": decision.action, "payload": Jsonb(payload)},
         )
+    return moved
 
 
 def _record_exception(
@@ -237,7 +250,7 @@ def _record_exception(
 def _mark(
     conn: psycopg.Connection[Row], key: dict[str, Any], outcome: str, order_id: str | None
 ) -> None:
-    execute(conn, "mark_receipt_processed", key | {"outcome": outcome, "order_id": order_id})
+    conn.execute(query("mark_receipt_processed"), key | {"outcome": outcome, "order_id": order_id})
 
 
 def _order(row: Row) -> Order:

@@ -21,9 +21,11 @@ ALLOWED_FUNCTIONS = frozenset({APPLY_EVENT})
 
 
 class PayhookJob(Job):
+    allowed_functions = ALLOWED_FUNCTIONS
+
     @property
     def func(self) -> Any:
-        if self.func_name not in ALLOWED_FUNCTIONS or self.instance is not None:
+        if self.func_name not in self.allowed_functions or self.instance is not None:
             self.retries_left = 0
             raise ForbiddenJob(
                 f"job {self.id} names {self.func_name!r}, which payhook does not run"

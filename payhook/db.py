@@ -18,6 +18,7 @@ CONNECT_TIMEOUT = 5
 APPLICATION_NAME = "payhook"
 
 Row = dict[str, Any]
+Pool = ConnectionPool[psycopg.Connection[Row]]
 
 
 def connection_kwargs(component: str) -> dict[str, Any]:
@@ -30,11 +31,12 @@ def connection_kwargs(component: str) -> dict[str, Any]:
     }
 
 
-def create_pool(settings: Settings, component: str, *, size: int | None = None) -> ConnectionPool:
+def create_pool(settings: Settings, component: str, *, size: int | None = None) -> Pool:
     """A closed pool; the process opens it when it starts (`pool.open()`)."""
     size = size or settings.db_pool_size
     return ConnectionPool(
         settings.database_url,
+        connection_class=psycopg.Connection[Row],
         min_size=1,
         max_size=size,
         kwargs=connection_kwargs(component),

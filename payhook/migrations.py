@@ -125,7 +125,7 @@ def apply_migrations(settings: Settings, folder: Path | None = None) -> list[str
 
 
 def _apply_one(conn: psycopg.Connection[dict[str, object]], migration: Migration) -> None:
-    text = cast(LiteralString, migration.path.read_text())
+    text: LiteralString = migration.path.read_text()
     record = query("record_migration")
     params = {"version": migration.version, "name": migration.name}
     try:
@@ -144,4 +144,4 @@ def _apply_one(conn: psycopg.Connection[dict[str, object]], migration: Migration
 def _split_statements(text: str) -> list[LiteralString]:
     """Split a no-transaction migration on `;` at line ends (no dollar quoting there)."""
     body = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("--"))
-    return [cast(LiteralString, s.strip()) for s in body.split(";\n") if s.strip().rstrip(";")]
+    return [s.strip() for s in body.split(";\n") if s.strip().rstrip(";")]

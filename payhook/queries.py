@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import re
 from pathlib import Path
-from typing import LiteralString, cast
+from typing import LiteralString
 
 from payhook.errors import QueryFileError
 
@@ -46,7 +46,7 @@ def parse_queries(text: str, source: str = "<string>") -> dict[str, LiteralStrin
         sql = "\n".join(lines).strip().rstrip(";").strip()
         if not sql:
             raise QueryFileError(f"{source}: query {name!r} is empty")
-        result[name] = cast(LiteralString, sql)
+        result[name] = sql
     return result
 
 

@@ -64,7 +64,7 @@ def sign(secret: str, event_id: str, timestamp: int, body: bytes) -> str:
 
 class StandardGateway:
     name = "standard"
-    signature_headers = ("webhook-id", "webhook-timestamp", "webhook-signature")
+    signature_headers: tuple[str, ...] = ("webhook-id", "webhook-timestamp", "webhook-signature")
 
     def verify(
         self,

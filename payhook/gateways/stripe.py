@@ -51,7 +51,7 @@ def sign(secret: str, timestamp: int, body: bytes) -> str:
 
 class StripeGateway:
     name = "stripe"
-    signature_headers = ("stripe-signature",)
+    signature_headers: tuple[str, ...] = ("stripe-signature",)
 
     def verify(
         self,

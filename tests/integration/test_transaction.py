@@ -256,3 +256,21 @@ def test_serialization_failures_are_retried_a_bounded_number_of_times(
     with pytest.raises(tx.TooManyRetries):
         handle(runtime, factory.standard_envelope(shop, StandardEvent()).to_json())
     assert calls["n"] == -100 + runtime.settings.serialization_retries + 1
+
+
+def test_consumer_follows_secret_rotation(runtime: Runtime, factory: Factory) -> None:
+    """A secret rotated in verifies at once; a retired one stops once the cache expires."""
+    from payhook import admin
+
+    shop = factory.shop()
+    factory.order(shop)
+    assert apply(runtime, factory, shop, StandardEvent(type="customer.created")) == "ignored"
+    old = shop.secret
+    shop.secret = admin.rotate_endpoint_secret(factory.conn, shop.endpoint_id)
+    assert apply(runtime, factory, shop, StandardEvent(type="customer.created")) == "ignored"
+    admin.retire_old_secrets(factory.conn, shop.endpoint_id)
+    runtime.endpoints.ttl = 0
+    shop.secret = old
+    assert (
+        apply(runtime, factory, shop, StandardEvent(type="customer.created")) == "signature_invalid"
+    )

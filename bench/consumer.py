@@ -1,0 +1,201 @@
+"""Consumer throughput, beside two ceilings measured in the same run.
+
+    python -m bench.consumer [--events N] [--workers W]
+
+1. RQ no-op jobs (same envelopes, same worker class and count): the queue's
+   own ceiling; also with RQ's forking worker, to show why we do not fork.
+2. The same SQL transaction driven directly by W processes: the database's.
+3. payhook consumers applying first deliveries, then the same events again
+   (every job a duplicate).
+
+Rates come from RQ's own job timestamps (first start to last end), so worker
+start-up is not counted. Figures are printed as ratios to the ceilings:
+these machines are noisy, absolute numbers are not comparable across runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import subprocess
+import sys
+import time
+import uuid
+from datetime import UTC, datetime
+from typing import Any
+
+import psycopg
+from psycopg import sql
+from redis import Redis
+from rq.job import Job
+from rq.serializers import JSONSerializer
+
+from consumer.transaction import Endpoint, apply_event
+from payhook import admin
+from payhook.db import connect
+from payhook.envelope import Envelope
+from payhook.gateways import get_gateway, standard
+from payhook.migrations import apply_migrations
+from payhook.queue import enqueue_event, events_queue
+from payhook.settings import Settings
+
+PG = os.environ.get("PAYHOOK_BENCH_PG", "postgresql://postgres@127.0.0.1:5432")
+REDIS = os.environ.get("PAYHOOK_BENCH_REDIS", "redis://127.0.0.1:6379/12")
+DB = "payhook_bench"
+
+
+def fresh_settings() -> Settings:
+    with psycopg.connect(f"{PG}/postgres", autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(DB)))
+    settings = Settings.from_env(
+        {"DATABASE_URL": f"{PG}/{DB}", "REDIS_URL": REDIS, "PAYHOOK_QUEUE": "payhook-bench"}
+    )
+    apply_migrations(settings)
+    return settings
+
+
+def make_events(settings: Settings, count: int) -> tuple[Endpoint, list[Envelope]]:
+    """`count` orders and one signed payment event for each."""
+    with connect(settings) as conn:
+        tenant = admin.add_tenant(conn, "bench")
+        endpoint = admin.add_endpoint(conn, tenant, "standard")
+        envelopes = []
+        for i in range(count):
+            admin.add_order(conn, tenant, f"ref-{i}", f"pi_{i}", 1500, "EUR")
+            body = (
+                b'{"type":"payment.succeeded","timestamp":"2026-11-30T00:00:00Z","data":'
+                + f'{{"gateway_order_id":"pi_{i}","merchant_reference":"ref-{i}",'
+                f'"amount":1500,"currency":"EUR"}}}}'.encode()
+            )
+            event_id, ts = f"msg_{uuid.uuid4().hex}", int(time.time())
+            headers = {
+                "webhook-id": event_id,
+                "webhook-timestamp": str(ts),
+                "webhook-signature": standard.sign(endpoint.secret, event_id, ts, body),
+            }
+            envelopes.append(
+                Envelope(endpoint.endpoint_id, body, headers, datetime.now(UTC), str(uuid.uuid4()))
+            )
+    return Endpoint(endpoint.endpoint_id, tenant, "standard", (endpoint.secret,)), envelopes
+
+
+def run_workers(
+    settings: Settings, redis: Redis, envelopes: list[Envelope], mode: str, kind: str, workers: int
+) -> float:
+    """Enqueue one job per envelope, drain with `workers` processes; jobs per second."""
+    redis.flushdb()
+    queue = events_queue(redis, settings)
+    ids = []
+    for envelope in envelopes:
+        fresh = Envelope(
+            envelope.endpoint_id,
+            envelope.body,
+            envelope.headers,
+            envelope.received_at,
+            str(uuid.uuid4()),
+        )
+        job = enqueue_event(queue, fresh, settings)
+        if mode == "noop":
+            job.func_name = "bench.consumer_worker.noop"
+            job.save()
+        ids.append(job.id)
+    env = os.environ | {
+        "DATABASE_URL": str(settings.database_url),
+        "REDIS_URL": str(settings.redis_url),
+        "PAYHOOK_QUEUE": settings.queue,
+        "PAYHOOK_LOG_LEVEL": "ERROR",
+    }
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "bench.consumer_worker", mode, kind],
+            env=env,
+            stdout=subprocess.DEVNULL,
+        )
+        for _ in range(workers)
+    ]
+    for proc in procs:
+        if proc.wait(timeout=600) != 0:
+            raise SystemExit(f"a {mode}/{kind} worker failed")
+    jobs = Job.fetch_many(ids, connection=redis, serializer=JSONSerializer)
+    unfinished = [j for j in jobs if j is None or j.ended_at is None]
+    if unfinished:
+        raise SystemExit(f"{len(unfinished)} jobs did not finish")
+    start = min(j.started_at for j in jobs if j and j.started_at)
+    end = max(j.ended_at for j in jobs if j and j.ended_at)
+    return len(ids) / (end - start).total_seconds()
+
+
+def _direct(args: tuple[Settings, Endpoint, list[Envelope]]) -> None:
+    settings, endpoint, envelopes = args
+    gateway = get_gateway("standard")
+    with connect(settings, "bench") as conn:
+        for envelope in envelopes:
+            gateway.verify(
+                envelope.headers, envelope.body, endpoint.secrets, now=None, tolerance=None
+            )
+            event = gateway.parse(envelope.headers, envelope.body)
+            apply_event(conn, endpoint, event, envelope.delivery_id)
+
+
+def run_direct(
+    settings: Settings, endpoint: Endpoint, envelopes: list[Envelope], workers: int
+) -> float:
+    """The same verification and transaction, no queue, `workers` processes."""
+    chunks = [(settings, endpoint, envelopes[i::workers]) for i in range(workers)]
+    with multiprocessing.get_context("spawn").Pool(workers) as pool:
+        started = time.perf_counter()
+        pool.map(_direct, chunks)
+        elapsed = time.perf_counter() - started
+    return len(envelopes) / elapsed
+
+
+def count(settings: Settings, table: str) -> int:
+    with connect(settings) as conn:
+        row: Any = conn.execute(
+            sql.SQL("SELECT count(*) AS n FROM payhook.{}").format(sql.Identifier(table))
+        ).fetchone()
+        return int(row["n"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--events", type=int, default=1000)
+    parser.add_argument("--workers", type=int, default=2)
+    args = parser.parse_args()
+    n, w = args.events, args.workers
+    redis = Redis.from_url(REDIS)
+
+    settings = fresh_settings()
+    endpoint, envelopes = make_events(settings, n)
+    noop_simple = run_workers(settings, redis, envelopes, "noop", "simple", w)
+    noop_fork = run_workers(settings, redis, envelopes, "noop", "fork", w)
+    direct = run_direct(settings, endpoint, envelopes, w)
+
+    settings = fresh_settings()
+    endpoint, envelopes = make_events(settings, n)
+    applied = run_workers(settings, redis, envelopes, "apply", "simple", w)
+    assert count(settings, "payment_outbox") == n, "every event applied once"
+    duplicates = run_workers(settings, redis, envelopes, "apply", "simple", w)
+    assert count(settings, "payment_outbox") == n, "duplicates applied nothing"
+    redis.flushdb()
+
+    print(f"consumer benchmark: {n} events, {w} worker processes, {os.cpu_count()} cores")
+    print(f"  RQ no-op, SimpleWorker (ceiling)   {noop_simple:8.0f} jobs/s")
+    print(
+        f"  RQ no-op, forking Worker           {noop_fork:8.0f} jobs/s  "
+        f"({noop_fork / noop_simple:.2f}x SimpleWorker)"
+    )
+    print(f"  direct transaction, no queue       {direct:8.0f} events/s")
+    print(
+        f"  payhook consumers, first delivery  {applied:8.0f} events/s  "
+        f"({applied / noop_simple:.0%} of RQ no-op, {applied / direct:.0%} of direct SQL)"
+    )
+    print(
+        f"  payhook consumers, duplicates      {duplicates:8.0f} events/s  "
+        f"(a duplicate costs {applied / duplicates:.2f}x a first delivery)"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""A consumer worker for the benchmark: the real one, or a no-op ceiling.
+
+python -m bench.consumer_worker apply|noop simple|fork
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+from rq.serializers import JSONSerializer
+from rq.worker import Worker
+
+from consumer.handler import Runtime
+from consumer.jobs import install_runtime
+from consumer.worker import ALLOWED_FUNCTIONS, PayhookJob, PayhookWorker
+from payhook.db import create_pool
+from payhook.queue import events_queue, redis_connection
+from payhook.settings import Settings
+
+NOOP = "bench.consumer_worker.noop"
+
+
+def noop(envelope: Any) -> dict[str, Any]:
+    """Does nothing with a job of the same shape as a real one."""
+    return {"outcome": "noop"}
+
+
+class BenchJob(PayhookJob):
+    allowed_functions = ALLOWED_FUNCTIONS | {NOOP}
+
+
+class ForkingWorker(Worker):
+    """RQ's default worker: a forked work horse per job."""
+
+    job_class = BenchJob
+
+
+class SimpleBenchWorker(PayhookWorker):
+    job_class = BenchJob
+
+
+def main(mode: str, kind: str) -> int:
+    settings = Settings.from_env(os.environ)
+    if mode == "apply":
+        pool = create_pool(settings, "bench", size=2)
+        pool.open(wait=True)
+        install_runtime(Runtime(settings=settings, pool=pool))
+    cls = SimpleBenchWorker if kind == "simple" else ForkingWorker
+    connection = redis_connection(settings)
+    worker = cls(
+        [events_queue(connection, settings)],
+        connection=connection,
+        serializer=JSONSerializer,
+        job_class=BenchJob,
+    )
+    worker.log_job_description = False
+    worker.work(burst=True, logging_level="ERROR")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], sys.argv[2]))

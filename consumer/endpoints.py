@@ -1,0 +1,43 @@
+"""The consumer's view of webhook endpoints, cached for a few seconds per process."""
+
+from __future__ import annotations
+
+import time
+
+import psycopg
+
+from consumer.transaction import Endpoint
+from payhook.db import Row, fetch_one
+
+#: Seconds an endpoint's secrets are trusted before they are read again.
+ENDPOINT_TTL = 5.0
+
+
+class EndpointCache:
+    """Endpoints by id. A rotated-in secret is found at once (a failed
+    verification re-reads the row); a retired one stops verifying within
+    ENDPOINT_TTL seconds."""
+
+    def __init__(self, ttl: float = ENDPOINT_TTL) -> None:
+        self.ttl = ttl
+        self._entries: dict[str, tuple[Endpoint, float]] = {}
+
+    def get(
+        self, conn: psycopg.Connection[Row], endpoint_id: str, *, fresh: bool = False
+    ) -> tuple[Endpoint | None, bool]:
+        """The endpoint (None if unknown) and whether it was just read from the database."""
+        hit = self._entries.get(endpoint_id)
+        if hit is not None and not fresh and time.monotonic() - hit[1] < self.ttl:
+            return hit[0], False
+        row = fetch_one(conn, "get_endpoint", {"endpoint_id": endpoint_id})
+        if row is None:
+            self._entries.pop(endpoint_id, None)
+            return None, True
+        endpoint = Endpoint(
+            id=str(row["id"]),
+            tenant_id=str(row["tenant_id"]),
+            gateway=row["gateway"],
+            secrets=tuple(row["secrets"]),
+        )
+        self._entries[endpoint_id] = (endpoint, time.monotonic())
+        return endpoint, True
