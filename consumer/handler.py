@@ -11,9 +11,11 @@ from typing import Any
 
 import psycopg
 import structlog
+from redis import Redis
 
 from consumer.endpoints import EndpointCache
-from consumer.transaction import Applied, Endpoint, apply_with_retries
+from consumer.transaction import Applied, Endpoint, TooManyRetries, apply_with_retries
+from payhook import counters
 from payhook.db import Pool, Row, execute
 from payhook.envelope import Envelope, MalformedJob
 from payhook.errors import MalformedEvent, SignatureError, SignatureMismatch
@@ -33,6 +35,8 @@ class Runtime:
     settings: Settings
     pool: Pool
     endpoints: EndpointCache = field(default_factory=EndpointCache)
+    #: Where transaction retries are counted for alerts; None in unit tests.
+    redis: Redis | None = None
 
 
 def handle(runtime: Runtime, data: object) -> Applied:
@@ -75,18 +79,28 @@ def handle(runtime: Runtime, data: object) -> Applied:
         except MalformedEvent as exc:
             event, forced = _unreadable(envelope, exc), "malformed"
         structlog.contextvars.bind_contextvars(event_id=event.event_id)
-        result = apply_with_retries(
-            conn,
-            endpoint,
-            event,
-            envelope.delivery_id,
-            retries=runtime.settings.serialization_retries,
-            forced_outcome=forced,
-        )
+        try:
+            result = apply_with_retries(
+                conn,
+                endpoint,
+                event,
+                envelope.delivery_id,
+                retries=runtime.settings.serialization_retries,
+                forced_outcome=forced,
+            )
+        except TooManyRetries as exc:
+            _count_retries(runtime, exc.attempts)
+            raise
+        _count_retries(runtime, result.retries)
     if FAULT_KILL_AFTER_COMMIT in runtime.settings.faults:
         log.warning("fault_kill_after_commit")
         os.kill(os.getpid(), signal.SIGKILL)
     return result
+
+
+def _count_retries(runtime: Runtime, retries: int) -> None:
+    if retries and runtime.redis is not None:
+        counters.record(runtime.redis, counters.SERIALIZATION_RETRIES, retries)
 
 
 def _verify(gateway: Gateway, envelope: Envelope, endpoint: Endpoint) -> None:

@@ -35,9 +35,9 @@ def run(settings: Settings, burst: bool = False) -> int:
     configure_logging(settings.log_level)
     pool = create_pool(settings, "consumer", size=2)
     pool.open(wait=False)
-    install_runtime(Runtime(settings=settings, pool=pool))
     try:
         worker = build_worker(settings)
+        install_runtime(Runtime(settings=settings, pool=pool, redis=worker.connection))
         log.info("consumer_started", queue=settings.queue, worker=worker.name, burst=burst)
         # The scheduler moves retried jobs back onto the queue after their interval.
         worker.work(burst=burst, with_scheduler=True, logging_level="WARNING")

@@ -58,6 +58,10 @@ class Applied:
 class TooManyRetries(Exception):
     """The transaction kept failing with serialization failures or deadlocks."""
 
+    def __init__(self, attempts: int, sqlstate: str | None) -> None:
+        super().__init__(f"{attempts} attempts, last SQLSTATE {sqlstate}")
+        self.attempts = attempts
+
 
 def apply_with_retries(
     conn: psycopg.Connection[Row],
@@ -82,7 +86,7 @@ def apply_with_retries(
                 event_id=event.event_id,
             )
             if attempt > retries:
-                raise TooManyRetries(f"{attempt} attempts, last {exc.sqlstate}") from exc
+                raise TooManyRetries(attempt, exc.sqlstate) from exc
             time.sleep(random.uniform(0, RETRY_BASE_DELAY * 2**attempt))
             continue
         return Applied(result.outcome, result.order_id, result.exception_id, retries=attempt)

@@ -4,21 +4,24 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
+from collections.abc import Iterator
 
 import psycopg
 import pytest
+from redis import Redis
 
 from consumer.handler import Runtime, handle
+from payhook import counters
 from payhook.db import create_pool
 from payhook.settings import Settings
 from tests.factories import Factory, StandardEvent, envelope, stripe_body, stripe_headers
 
 
 @pytest.fixture
-def runtime(settings: Settings):
+def runtime(settings: Settings, redis_conn: Redis) -> Iterator[Runtime]:
     pool = create_pool(settings, "test", size=4)
     pool.open(wait=True)
-    yield Runtime(settings=settings, pool=pool)
+    yield Runtime(settings=settings, pool=pool, redis=redis_conn)
     pool.close()
 
 
@@ -251,11 +254,15 @@ def test_serialization_failures_are_retried_a_bounded_number_of_times(
     monkeypatch.setattr(tx, "apply_event", flaky)
     result = handle(runtime, factory.standard_envelope(shop, StandardEvent()).to_json())
     assert (result.outcome, result.retries) == ("applied", 2)
+    assert runtime.redis is not None
+    assert counters.total(runtime.redis, counters.SERIALIZATION_RETRIES, 300) == 2
 
     calls["n"] = -100
     with pytest.raises(tx.TooManyRetries):
         handle(runtime, factory.standard_envelope(shop, StandardEvent()).to_json())
     assert calls["n"] == -100 + runtime.settings.serialization_retries + 1
+    retries = 2 + runtime.settings.serialization_retries + 1
+    assert counters.total(runtime.redis, counters.SERIALIZATION_RETRIES, 300) == retries
 
 
 def test_consumer_follows_secret_rotation(runtime: Runtime, factory: Factory) -> None:
