@@ -143,26 +143,26 @@ def apply_event(
             outcome = forced_outcome or "ignored"
             exception_id = None
             if outcome == "malformed":
-                exception_id = _record_exception(conn, endpoint, event, None, Decision(outcome))
-            _mark(conn, key, outcome, None)
+                exception_id = record_exception(conn, endpoint, event, None, Decision(outcome))
+            mark_receipt(conn, key, outcome, None)
             return Applied(outcome, exception_id=exception_id)
 
-        orders = [_order(row) for row in locked.fetchall()]
+        orders = [order_from_row(row) for row in locked.fetchall()]
         decision = decide(event, orders)
         order_id = orders[0].id if len(orders) == 1 else None
 
         exception_id = None
         if decision.outcome == "applied":
             assert orders and decision.to_state is not None
-            moved = _transition(conn, endpoint, event, orders[0], decision)
-            _mark(conn, key, decision.outcome, order_id)
+            moved = write_transition(conn, endpoint, event, orders[0], decision)
+            mark_receipt(conn, key, decision.outcome, order_id)
             pipeline.sync()
             if moved.rowcount != 1:
                 raise AssertionError("the order is locked, its state cannot have moved")
         else:
             if decision.is_exception:
-                exception_id = _record_exception(conn, endpoint, event, order_id, decision)
-            _mark(conn, key, decision.outcome, order_id)
+                exception_id = record_exception(conn, endpoint, event, order_id, decision)
+            mark_receipt(conn, key, decision.outcome, order_id)
     return Applied(decision.outcome, order_id, exception_id)
 
 
@@ -191,7 +191,7 @@ def _duplicate(
     return Applied("digest_conflict")
 
 
-def _transition(
+def write_transition(
     conn: psycopg.Connection[Row],
     endpoint: Endpoint,
     event: Event,
@@ -228,7 +228,7 @@ def _transition(
     return moved
 
 
-def _record_exception(
+def record_exception(
     conn: psycopg.Connection[Row],
     endpoint: Endpoint,
     event: Event,
@@ -251,13 +251,13 @@ def _record_exception(
     return int(row["id"])
 
 
-def _mark(
+def mark_receipt(
     conn: psycopg.Connection[Row], key: dict[str, Any], outcome: str, order_id: str | None
 ) -> None:
     conn.execute(query("mark_receipt_processed"), key | {"outcome": outcome, "order_id": order_id})
 
 
-def _order(row: Row) -> Order:
+def order_from_row(row: Row) -> Order:
     return Order(
         id=str(row["id"]),
         merchant_reference=row["merchant_reference"],
