@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import signal
 from types import FrameType
 from typing import cast
@@ -34,6 +35,9 @@ def build_client(config: OutboxConfig) -> httpx.Client:
 def run(settings: Settings, once: bool = False) -> int:
     """Deliver outbox rows until SIGTERM (or, with `once`, until nothing is due)."""
     configure_logging(settings.log_level)
+    # httpx logs every request with its full URL, which may carry credentials;
+    # our own line per delivery says what happened without it.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     config = OutboxConfig.from_settings(settings)
     # The pool's connections return dict rows (`connection_kwargs`).
     pool = cast("ConnectionPool[psycopg.Connection[Row]]", create_pool(settings, "outbox-worker"))

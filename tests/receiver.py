@@ -142,10 +142,7 @@ def serve(argv: list[str] | None = None) -> None:
     parser.add_argument("--retry-after")
     args = parser.parse_args(argv)
     behaviour = Behaviour(args.status, args.delay, args.retry_after)
-    server = ThreadingHTTPServer(
-        ("127.0.0.1", args.port), make_handler(behaviour, Recorder(args.log))
-    )
-    server.daemon_threads = True
+    server = Server(("127.0.0.1", args.port), make_handler(behaviour, Recorder(args.log)))
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown).start())
     tmp = args.ready.with_suffix(".tmp")
     tmp.write_text(str(server.server_address[1]))
