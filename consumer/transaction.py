@@ -25,7 +25,7 @@ import structlog
 from psycopg.types.json import Jsonb
 
 from consumer.rules import Decision, Order, decide
-from payhook.db import Row, execute, fetch_one
+from payhook.db import Row, execute, fetch_one, pipelined_transaction
 from payhook.gateways import Event
 from payhook.queries import query
 
@@ -108,8 +108,8 @@ def apply_event(
     key = {"tenant_id": endpoint.tenant_id, "event_id": event.event_id}
     acting = forced_outcome is None and event.kind is not None
     # Pipeline mode: BEGIN, the receipt insert and the order lock travel in
-    # one round trip, the writes in a second, COMMIT in a third.
-    with conn.pipeline() as pipeline, conn.transaction():
+    # one round trip; the writes and COMMIT in a second.
+    with pipelined_transaction(conn):
         receipt = conn.execute(
             query("insert_receipt"),
             key
@@ -154,11 +154,8 @@ def apply_event(
         exception_id = None
         if decision.outcome == "applied":
             assert orders and decision.to_state is not None
-            moved = write_transition(conn, endpoint, event, orders[0], decision)
+            write_transition(conn, endpoint, event, orders[0], decision)
             mark_receipt(conn, key, decision.outcome, order_id)
-            pipeline.sync()
-            if moved.rowcount != 1:
-                raise AssertionError("the order is locked, its state cannot have moved")
         else:
             if decision.is_exception:
                 exception_id = record_exception(conn, endpoint, event, order_id, decision)
@@ -197,8 +194,8 @@ def write_transition(
     event: Event,
     order: Order,
     decision: Decision,
-) -> psycopg.Cursor[Row]:
-    """Queue the state change, its audit row and its outbox row; the UPDATE's cursor."""
+) -> None:
+    """Queue the state change, its audit row and its outbox row."""
     params: dict[str, Any] = {
         "tenant_id": endpoint.tenant_id,
         "order_id": order.id,
@@ -208,8 +205,9 @@ def write_transition(
         "refunded_minor": decision.refunded_minor,
         "amount_minor": event.amount_minor,
     }
-    moved = conn.execute(query("update_order_state"), params)
-    conn.execute(query("insert_transition"), params)
+    # The order is locked FOR UPDATE by this transaction: its state is the
+    # one `decide` saw, so the move always happens.
+    conn.execute(query("move_order"), params)
     if decision.action is not None:
         payload = {
             "action": decision.action,
@@ -225,7 +223,6 @@ def write_transition(
             query("insert_outbox"),
             params | {"id": uuid.uuid4(), "action": decision.action, "payload": Jsonb(payload)},
         )
-    return moved
 
 
 def record_exception(

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager, suppress
 from typing import Any
 
 import psycopg
@@ -53,6 +54,31 @@ def connect(
     """One connection, for commands and tests."""
     kwargs = connection_kwargs(component) | overrides
     return psycopg.connect(settings.database_url, **kwargs)
+
+
+@contextmanager
+def pipelined_transaction(conn: psycopg.Connection[Row]) -> Iterator[psycopg.Pipeline]:
+    """A transaction whose statements travel in pipeline mode.
+
+    BEGIN goes out with the first statements and COMMIT with the last ones, so
+    a transaction that reads once costs two round trips. (`conn.transaction()`
+    inside a pipeline adds a sync of its own.) On any error the transaction is
+    rolled back and the error re-raised; a broken connection is left to the
+    pool, which discards it. `conn` must be in autocommit mode.
+    """
+    with conn.pipeline() as pipeline:
+        conn.execute(query("begin"))
+        try:
+            yield pipeline
+            conn.execute(query("commit"))
+            pipeline.sync()
+        except BaseException:
+            with suppress(psycopg.Error):
+                pipeline.sync()  # leave the aborted pipeline state
+            with suppress(psycopg.Error):
+                conn.execute(query("rollback"))
+                pipeline.sync()
+            raise
 
 
 def fetch_one(

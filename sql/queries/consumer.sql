@@ -31,18 +31,19 @@ SELECT id, merchant_reference, gateway_order_id, amount_minor, currency, state,
  ORDER BY id
    FOR UPDATE
 
--- update_order_state --
--- Step 5: the one forward transition.
-UPDATE payhook.payment_orders
-   SET state = %(to_state)s, refunded_minor = %(refunded_minor)s, updated_at = now()
- WHERE tenant_id = %(tenant_id)s AND id = %(order_id)s AND state = %(from_state)s
-
--- insert_transition --
--- Step 5: the audit row of the transition; one per event.
+-- move_order --
+-- Step 5: the one forward transition and its audit row, in one statement: the
+-- audit row exists only if the order moved. One per event.
+WITH moved AS (
+    UPDATE payhook.payment_orders
+       SET state = %(to_state)s, refunded_minor = %(refunded_minor)s, updated_at = now()
+     WHERE tenant_id = %(tenant_id)s AND id = %(order_id)s AND state = %(from_state)s
+ RETURNING tenant_id, id
+)
 INSERT INTO payhook.payment_order_transitions
        (tenant_id, order_id, event_id, from_state, to_state, amount_minor)
-VALUES (%(tenant_id)s, %(order_id)s, %(event_id)s, %(from_state)s, %(to_state)s,
-        %(amount_minor)s)
+SELECT tenant_id, id, %(event_id)s, %(from_state)s, %(to_state)s, %(amount_minor)s
+  FROM moved
 
 -- insert_outbox --
 -- Step 6: the side effect to perform after commit; one per (event, action).
