@@ -13,6 +13,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from payhook.errors import SettingsError
+from payhook.horizon import (
+    DEFAULT_RECEIPT_RETENTION,
+    REDELIVERY_MARGIN,
+    REDELIVERY_WINDOWS,
+    describe,
+    minimum_receipt_retention,
+)
 
 DEFAULT_DATABASE_URL = "postgresql://postgres@127.0.0.1:5432/payhook"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -69,8 +76,17 @@ class Settings:
     enqueue_timeout: float = 2.0
     #: Seconds an outbox row may stay undelivered before it alerts.
     outbox_sla: float = 300.0
-    #: Seconds a receipt is kept before it moves to the archive.
-    receipt_retention: float = 400 * 86400.0
+    #: Seconds a receipt is kept before it moves to the archive; never less
+    #: than the longest gateway redelivery window plus a margin (payhook.horizon).
+    receipt_retention: float = DEFAULT_RECEIPT_RETENTION
+    #: Seconds a delivered outbox row is kept before retention deletes it.
+    outbox_retention: float = 30 * 86400.0
+    #: Seconds a resolved exception is kept; open exceptions are never deleted.
+    exception_retention: float = 400 * 86400.0
+    #: Seconds a security anomaly is kept.
+    anomaly_retention: float = 400 * 86400.0
+    #: Rows one retention transaction moves or deletes.
+    retention_batch: int = 500
     #: Fault points a test enables (`PAYHOOK_FAULTS=a,b`); empty in production.
     faults: frozenset[str] = field(default_factory=frozenset)
     #: Everything else under the `PAYHOOK_` prefix, for components that add
@@ -94,6 +110,7 @@ class Settings:
             "maintenance_interval": "PAYHOOK_MAINTENANCE_INTERVAL",
             "serialization_retries": "PAYHOOK_SERIALIZATION_RETRIES",
             "max_body": "PAYHOOK_MAX_BODY",
+            "retention_batch": "PAYHOOK_RETENTION_BATCH",
         }
         for attr, name in ints.items():
             if name in environ:
@@ -103,10 +120,15 @@ class Settings:
             "enqueue_timeout": "PAYHOOK_ENQUEUE_TIMEOUT",
             "outbox_sla": "PAYHOOK_OUTBOX_SLA",
             "receipt_retention": "PAYHOOK_RECEIPT_RETENTION",
+            "outbox_retention": "PAYHOOK_OUTBOX_RETENTION",
+            "exception_retention": "PAYHOOK_EXCEPTION_RETENTION",
+            "anomaly_retention": "PAYHOOK_ANOMALY_RETENTION",
         }
         for attr, name in durations.items():
             if name in environ:
                 values[attr] = parse_duration(name, environ[name])
+        if "receipt_retention" in values:
+            _check_receipt_retention(values["receipt_retention"])
         if "PAYHOOK_JOB_RETRY_INTERVALS" in environ:
             raw = environ["PAYHOOK_JOB_RETRY_INTERVALS"]
             values["job_retry_intervals"] = tuple(
@@ -128,6 +150,16 @@ class Settings:
     def get(self, name: str, default: str | None = None) -> str | None:
         """A `PAYHOOK_*` variable not modelled above."""
         return self.extra.get(name, default)
+
+
+def _check_receipt_retention(seconds: float) -> None:
+    minimum, gateway = minimum_receipt_retention()
+    if seconds < minimum:
+        raise SettingsError(
+            f"PAYHOOK_RECEIPT_RETENTION: {describe(seconds)} is shorter than the longest "
+            f"gateway redelivery window ({gateway}, {describe(REDELIVERY_WINDOWS[gateway])}) "
+            f"plus a {describe(REDELIVERY_MARGIN)} margin; use at least {describe(minimum)}"
+        )
 
 
 def _check_url(name: str, value: str, schemes: tuple[str, ...]) -> None:

@@ -1,0 +1,49 @@
+"""The retention horizon: how long a gateway may redeliver, and what is too old.
+
+A receipt may leave the live table only once no gateway will deliver its
+event again, so the receipt retention is never shorter than the longest
+redelivery window plus a margin. An event whose gateway timestamp is older
+than the horizon (now minus the receipt retention) is refused by the
+consumer, so a very late delivery can never create a second effect.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+DAY = 86400.0
+
+#: Seconds after an event during which each gateway may still deliver it.
+#: Stripe retries for 3 days and lets anyone list and resend an event for 30
+#: days; Standard Webhooks senders retry for about a day (the reference
+#: schedule ends after 27.5 hours) and we allow them 3.
+REDELIVERY_WINDOWS = {"stripe": 30 * DAY, "standard": 3 * DAY}
+#: Seconds added to the longest window: clock skew, a late manual resend, an
+#: outage of ours that held events back.
+REDELIVERY_MARGIN = 7 * DAY
+#: Seconds a receipt stays in the live table unless PAYHOOK_RECEIPT_RETENTION says otherwise.
+DEFAULT_RECEIPT_RETENTION = 400 * DAY
+
+
+def minimum_receipt_retention() -> tuple[float, str]:
+    """The shortest acceptable receipt retention in seconds, and the gateway that sets it."""
+    gateway = max(REDELIVERY_WINDOWS, key=REDELIVERY_WINDOWS.__getitem__)
+    return REDELIVERY_WINDOWS[gateway] + REDELIVERY_MARGIN, gateway
+
+
+def receipt_horizon(retention: float, now: datetime | None = None) -> datetime:
+    """The oldest gateway timestamp an event may carry and still be applied."""
+    return (now or datetime.now(UTC)) - timedelta(seconds=retention)
+
+
+def beyond_horizon(occurred_at: datetime | None, horizon: datetime) -> bool:
+    """True for an event older than the horizon; an event without a timestamp is not."""
+    return occurred_at is not None and occurred_at < horizon
+
+
+def describe(seconds: float) -> str:
+    """`37d`, `36h` or `90s`: a duration as an operator would write it."""
+    for unit, size in (("d", DAY), ("h", 3600.0), ("m", 60.0)):
+        if seconds >= size and seconds % size == 0:
+            return f"{int(seconds // size)}{unit}"
+    return f"{seconds:g}s"
