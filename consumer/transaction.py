@@ -194,8 +194,12 @@ def write_transition(
     event: Event,
     order: Order,
     decision: Decision,
-) -> None:
-    """Queue the state change, its audit row and its outbox row."""
+) -> psycopg.Cursor[Row]:
+    """Queue the state change, its audit row and its outbox row.
+
+    Returns the cursor of the move: once synced, its rowcount is 1 if the
+    order moved (always, under the lock `apply_event` holds).
+    """
     params: dict[str, Any] = {
         "tenant_id": endpoint.tenant_id,
         "order_id": order.id,
@@ -207,7 +211,7 @@ def write_transition(
     }
     # The order is locked FOR UPDATE by this transaction: its state is the
     # one `decide` saw, so the move always happens.
-    conn.execute(query("move_order"), params)
+    moved = conn.execute(query("move_order"), params)
     if decision.action is not None:
         payload = {
             "action": decision.action,
@@ -223,6 +227,7 @@ def write_transition(
             query("insert_outbox"),
             params | {"id": uuid.uuid4(), "action": decision.action, "payload": Jsonb(payload)},
         )
+    return moved
 
 
 def record_exception(
