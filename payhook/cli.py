@@ -11,6 +11,7 @@ import json
 import os
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import psycopg
 
@@ -119,6 +120,39 @@ def cmd_send(args: argparse.Namespace, settings: Settings) -> int:
     return run(args, settings)
 
 
+def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
+    from payhook.stack import StackOptions, run
+
+    options = StackOptions(
+        host=args.host,
+        port=args.port,
+        dashboard_port=args.dashboard_port,
+        consumers=args.consumers,
+        fulfilment_url=args.fulfilment_url,
+        state_dir=Path(args.state_dir),
+        embedded=args.embedded,
+    )
+    return run(settings, os.environ, options)
+
+
+def cmd_dashboard(args: argparse.Namespace, settings: Settings) -> int:
+    from payhook.dashboard import run
+
+    return run(settings, host=args.host, port=args.port)
+
+
+def cmd_check(args: argparse.Namespace, settings: Settings) -> int:
+    from payhook.alerts import check
+
+    return check(settings, show_all=args.all)
+
+
+def cmd_operations(args: argparse.Namespace, settings: Settings) -> int:
+    from payhook.operations import run
+
+    return run(args, settings)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="payhook", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -202,6 +236,67 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--event-id", help="fixed event id (default: a new one)")
     p.add_argument("--copies", type=int, default=1, help="send the same signed event N times")
     p.add_argument("--concurrency", type=int, default=1)
+
+    p = add("up", cmd_up, "the whole stack on this machine, for a newcomer; Ctrl-C stops it")
+    p.add_argument("--host", default="127.0.0.1", help="the ingress's address")
+    p.add_argument("--port", type=int, default=8000, help="the ingress's port")
+    p.add_argument("--dashboard-port", type=int, default=9181)
+    p.add_argument("--consumers", type=int, default=2, help="consumer processes")
+    p.add_argument("--fulfilment-url", help="where the demo tenant's fulfilment is POSTed")
+    p.add_argument(
+        "--embedded",
+        action="store_true",
+        help="embedded PostgreSQL and Redis under --state-dir even when local ones answer",
+    )
+    p.add_argument("--state-dir", default=".payhook", help="data of embedded services")
+
+    p = add("dashboard", cmd_dashboard, "rq-dashboard for the events queue, with basic auth")
+    p.add_argument("--host", help="default PAYHOOK_DASHBOARD_HOST or 127.0.0.1")
+    p.add_argument("--port", type=int, help="default PAYHOOK_DASHBOARD_PORT or 9181")
+
+    p = add("check", cmd_check, "print active alerts; exit 1 when any is active, else 0")
+    p.add_argument("--all", action="store_true", help="print every signal, active or not")
+
+    p = add("trace", cmd_operations, "one event: receipt, order, transition, outbox, exceptions")
+    p.add_argument("event_id")
+    p.add_argument("--tenant", required=True)
+    p.add_argument("--json", action="store_true", help="one JSON object instead of text")
+
+    exceptions = commands.add_parser(
+        "exceptions", help="authentic events that could not be applied"
+    ).add_subparsers(dest="action", required=True, metavar="ACTION")
+    p = add("list", cmd_operations, "open exceptions, newest first, as JSON lines", exceptions)
+    p.add_argument("--all", action="store_true", help="resolved ones too")
+    p.add_argument("--kind")
+    p.add_argument("--tenant")
+    p.add_argument("--limit", type=int, default=50)
+    p = add("replay", cmd_operations, "re-apply an exception's event once fixed", exceptions)
+    p.add_argument("id", type=int)
+    p.add_argument("--tenant")
+    p.add_argument("--dry-run", action="store_true", help="show what would change, write nothing")
+    p = add("resolve", cmd_operations, "close an exception without applying it", exceptions)
+    p.add_argument("id", type=int)
+    p.add_argument("--tenant")
+
+    anomalies = commands.add_parser("anomalies", help="security anomalies").add_subparsers(
+        dest="action", required=True, metavar="ACTION"
+    )
+    p = add("list", cmd_operations, "anomalies, newest first, as JSON lines", anomalies)
+    p.add_argument(
+        "--kind",
+        choices=["digest_conflict", "signature_invalid", "unknown_endpoint", "malformed_job"],
+    )
+    p.add_argument("--since", help="only the last DURATION, e.g. 24h")
+    p.add_argument("--limit", type=int, default=50)
+
+    dlq = commands.add_parser("dlq", help="the dead-letter queue of event jobs").add_subparsers(
+        dest="action", required=True, metavar="ACTION"
+    )
+    p = add("list", cmd_operations, "dead-letter jobs, oldest first, as JSON lines", dlq)
+    p.add_argument("--limit", type=int, default=50)
+    p = add("requeue", cmd_operations, "put dead-letter jobs back on the events queue", dlq)
+    p.add_argument("job_ids", nargs="*", metavar="JOB_ID")
+    p.add_argument("--all", action="store_true", help="every dead-letter event job")
     return parser
 
 

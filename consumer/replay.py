@@ -1,0 +1,170 @@
+"""Re-apply the event of a payment exception once its cause is fixed.
+
+The replay runs the consumer's own steps in one transaction, in the
+consumer's lock order:
+
+    0 lock the exception (two replays of it run one after the other)
+    1 lock the event's receipt
+    3 lock the mapped order FOR UPDATE
+    4 decide again (consumer.rules.decide) against the order as it is now
+    5 one forward transition and its audit row, 6 the outbox row
+    7 mark the receipt with the new outcome, resolve the exception; commit
+
+A resolved exception is never replayed again, so a second replay changes
+nothing. A dry run takes the same locks and decisions, writes nothing, and
+says what a replay would do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+
+from consumer.rules import Decision, decide
+from consumer.transaction import Endpoint, mark_receipt, order_from_row, write_transition
+from payhook.db import Row, execute, fetch_all, fetch_one
+from payhook.errors import NotFound, PayhookError
+from payhook.gateways import Event
+
+#: Outcomes after which the event is accounted for and its exception closes.
+RESOLVING_OUTCOMES = frozenset({"applied", "already_applied"})
+
+
+class NotReplayable(PayhookError):
+    """The exception's event cannot be replayed."""
+
+
+@dataclass(frozen=True)
+class Replay:
+    """What a replay did, or in a dry run would do."""
+
+    exception_id: int
+    tenant_id: str
+    event_id: str
+    #: The decision now: `applied`, `already_applied`, or the exception kind that
+    #: still applies; `resolved` when the exception was already closed.
+    outcome: str
+    #: The exception is closed after this replay (or would be, in a dry run).
+    resolved: bool
+    #: This replay wrote something (or would, in a dry run).
+    changed: bool
+    dry_run: bool
+    order_id: str | None = None
+    from_state: str | None = None
+    to_state: str | None = None
+    action: str | None = None
+    detail: dict[str, Any] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def replay_exception(
+    conn: psycopg.Connection[Row],
+    exception_id: int,
+    *,
+    tenant_id: str | None = None,
+    dry_run: bool = False,
+) -> Replay:
+    """Replay one exception's event; see the module docstring. Safe to call repeatedly."""
+    with conn.transaction():
+        row = fetch_one(conn, "lock_exception", {"id": exception_id, "tenant_id": tenant_id})
+        if row is None:
+            raise NotFound(f"no payment exception {exception_id}")
+        tenant = str(row["tenant_id"])
+        base = {"exception_id": exception_id, "tenant_id": tenant, "event_id": row["event_id"]}
+        if row["resolved_at"] is not None:
+            return Replay(**base, outcome="resolved", resolved=True, changed=False, dry_run=dry_run)
+
+        event, endpoint_id = _stored_event(row)
+        if event.kind is None:
+            raise NotReplayable(
+                f"exception {exception_id} holds an event payhook cannot read "
+                f"({row['kind']}); it can only be resolved by hand"
+            )
+        # The event was authenticated when it was recorded; the transition
+        # needs only its tenant, so a since-rotated or removed endpoint is fine.
+        endpoint = Endpoint(id=endpoint_id, tenant_id=tenant, gateway="", secrets=())
+        key = {"tenant_id": tenant, "event_id": event.event_id}
+        receipt = fetch_one(conn, "lock_receipt", key)
+        if receipt is None:
+            raise NotReplayable(f"event {event.event_id} has no receipt any more")
+
+        orders = [
+            order_from_row(r)
+            for r in fetch_all(
+                conn,
+                "lock_order",
+                {
+                    "tenant_id": tenant,
+                    "merchant_reference": event.merchant_reference,
+                    "gateway_order_id": event.gateway_order_id,
+                },
+            )
+        ]
+        order = orders[0] if len(orders) == 1 else None
+        decision = (
+            Decision("already_applied", detail={"receipt": receipt["outcome"]})
+            if receipt["outcome"] in RESOLVING_OUTCOMES
+            else decide(event, orders)
+        )
+        resolves = decision.outcome in RESOLVING_OUTCOMES
+        result = Replay(
+            **base,
+            outcome=decision.outcome,
+            resolved=resolves,
+            changed=resolves,
+            dry_run=dry_run,
+            order_id=order.id if order else None,
+            from_state=order.state if order and decision.to_state else None,
+            to_state=decision.to_state,
+            action=decision.action,
+            detail=decision.detail or None,
+        )
+        if dry_run or not resolves:
+            return result
+
+        if decision.outcome == "applied":
+            assert order is not None
+            moved = write_transition(conn, endpoint, event, order, decision)
+            if moved.rowcount != 1:
+                raise AssertionError("the order is locked, its state cannot have moved")
+        if receipt["outcome"] not in RESOLVING_OUTCOMES:
+            mark_receipt(conn, key, decision.outcome, order.id if order else None)
+        execute(
+            conn,
+            "resolve_exception",
+            {"tenant_id": tenant, "id": exception_id, "resolution": f"replay:{decision.outcome}"},
+        )
+    return result
+
+
+def resolve_by_hand(
+    conn: psycopg.Connection[Row], exception_id: int, *, tenant_id: str | None = None
+) -> bool:
+    """Close an exception without applying its event; False if it was already closed."""
+    with conn.transaction():
+        row = fetch_one(conn, "lock_exception", {"id": exception_id, "tenant_id": tenant_id})
+        if row is None:
+            raise NotFound(f"no payment exception {exception_id}")
+        if row["resolved_at"] is not None:
+            return False
+        execute(
+            conn,
+            "resolve_exception",
+            {"tenant_id": row["tenant_id"], "id": exception_id, "resolution": "by_hand"},
+        )
+    return True
+
+
+def _stored_event(row: Row) -> tuple[Event, str]:
+    data = dict(row["event"])
+    endpoint_id = data.pop("endpoint_id", None)
+    if not isinstance(endpoint_id, str):
+        raise NotReplayable(f"exception {row['id']} does not name the endpoint of its event")
+    try:
+        return Event.from_json(data), endpoint_id
+    except (TypeError, ValueError) as exc:
+        raise NotReplayable(f"exception {row['id']} holds an unreadable event: {exc}") from None

@@ -1,0 +1,325 @@
+"""Operator commands: trace an event, work the exceptions, read anomalies, the dead letters.
+
+    payhook trace EVENT_ID --tenant T           receipt, order, transition, outbox, exceptions
+    payhook exceptions list [--all] [--kind K]  one JSON object per exception, newest first
+    payhook exceptions replay ID [--dry-run]    re-apply the event once its cause is fixed
+    payhook exceptions resolve ID               close one without applying it
+    payhook anomalies list [--kind K]           one JSON object per anomaly, newest first
+    payhook dlq list                            event jobs in the dead-letter queue
+    payhook dlq requeue JOB_ID... | --all       put dead-letter jobs back on the events queue
+
+A dead-letter job is requeued with the JSON serializer and a fresh retry
+budget, and only when it is an `apply_event` job of the events queue: nothing
+else is ever put in front of a consumer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, TextIO
+
+import psycopg
+from redis import Redis
+from rq.exceptions import DeserializationError, InvalidJobOperation, NoSuchJobError
+from rq.job import Job
+from rq.registry import FailedJobRegistry
+from rq.serializers import JSONSerializer
+
+from consumer.replay import replay_exception, resolve_by_hand
+from payhook.db import Row, connect, fetch_all, fetch_one
+from payhook.errors import NotFound, PayhookError
+from payhook.queue import APPLY_EVENT, events_queue, redis_connection
+from payhook.settings import Settings, parse_duration
+
+#: Most rows a list command prints at once.
+MAX_LIST_LIMIT = 10_000
+
+
+class NotRequeueable(PayhookError):
+    """The job is not a dead-letter event job of this queue."""
+
+
+@dataclass
+class Trace:
+    """Everything payhook recorded about one event of one tenant."""
+
+    tenant_id: str
+    event_id: str
+    receipt: Row | None = None
+    order: Row | None = None
+    transitions: list[Row] = field(default_factory=list)
+    outbox: list[Row] = field(default_factory=list)
+    exceptions: list[Row] = field(default_factory=list)
+    anomalies: list[Row] = field(default_factory=list)
+
+    @property
+    def found(self) -> bool:
+        return self.receipt is not None or bool(self.anomalies)
+
+
+def trace_event(conn: psycopg.Connection[Row], tenant_id: str, event_id: str) -> Trace:
+    key = {"tenant_id": _uuid(tenant_id, "--tenant"), "event_id": event_id}
+    trace = Trace(tenant_id=key["tenant_id"], event_id=event_id)
+    trace.receipt = fetch_one(conn, "trace_receipt", key)
+    trace.transitions = fetch_all(conn, "trace_transitions", key)
+    order_id = trace.receipt["order_id"] if trace.receipt else None
+    if order_id is None and trace.transitions:
+        order_id = trace.transitions[0]["order_id"]
+    if order_id is not None:
+        trace.order = fetch_one(
+            conn, "trace_order", {"tenant_id": key["tenant_id"], "order_id": order_id}
+        )
+    trace.outbox = fetch_all(conn, "trace_outbox", key)
+    trace.exceptions = fetch_all(conn, "trace_exceptions", key)
+    trace.anomalies = fetch_all(conn, "trace_anomalies", key)
+    return trace
+
+
+def format_trace(trace: Trace) -> str:
+    """The trace as aligned lines, receipt first, delivery last."""
+    lines = [f"event {trace.event_id}  tenant {trace.tenant_id}"]
+
+    def add(label: str, text: str) -> None:
+        lines.append(f"  {label:<11} {text}")
+
+    r = trace.receipt
+    if r is None:
+        add("receipt", "none: payhook has no record of this event for this tenant")
+    else:
+        add(
+            "receipt",
+            f"{r['event_type']}  outcome={r['outcome']}  gateway={r['gateway']}  "
+            f"received={_when(r['received_at'])}  processed={_when(r['processed_at'])}  "
+            f"delivery={r['delivery_id']}",
+        )
+    o = trace.order
+    if o is not None:
+        add(
+            "order",
+            f"{o['id']}  ref={o['merchant_reference']}  gateway_order={o['gateway_order_id']}  "
+            f"{o['amount_minor']} {o['currency']}  state={o['state']}"
+            + (f"  refunded={o['refunded_minor']}" if o["refunded_minor"] else ""),
+        )
+    for t in trace.transitions:
+        add(
+            "transition",
+            f"{t['from_state']} -> {t['to_state']}  amount={t['amount_minor']}  "
+            f"at={_when(t['created_at'])}",
+        )
+    for x in trace.outbox:
+        delivery = (
+            f"delivered={_when(x['delivered_at'])}"
+            if x["delivered_at"]
+            else f"next_attempt={_when(x['next_attempt_at'])}"
+        )
+        add(
+            "outbox",
+            f"{x['action']}  state={x['state']}  attempts={x['attempts']}  {delivery}"
+            + (f"  last_error={x['last_error']}" if x["last_error"] else ""),
+        )
+    for e in trace.exceptions:
+        status = f"resolved={_when(e['resolved_at'])}" if e["resolved_at"] else "open"
+        add("exception", f"#{e['id']} {e['kind']}  {status}  detail={json.dumps(e['detail'])}")
+    for a in trace.anomalies:
+        add("anomaly", f"#{a['id']} {a['kind']}  at={_when(a['detected_at'])}")
+    if r is not None and not trace.transitions and not trace.exceptions:
+        add("effect", "none (duplicate, ignored or already applied)")
+    return "\n".join(lines)
+
+
+def list_exceptions(
+    conn: psycopg.Connection[Row],
+    *,
+    include_resolved: bool = False,
+    kind: str | None = None,
+    tenant_id: str | None = None,
+    limit: int = 50,
+) -> list[Row]:
+    return fetch_all(
+        conn,
+        "list_exceptions",
+        {
+            "include_resolved": include_resolved,
+            "kind": kind,
+            "tenant_id": _uuid(tenant_id, "--tenant") if tenant_id else None,
+            "limit": _limit(limit),
+        },
+    )
+
+
+def list_anomalies(
+    conn: psycopg.Connection[Row],
+    *,
+    kind: str | None = None,
+    since: float | None = None,
+    limit: int = 50,
+) -> list[Row]:
+    return fetch_all(conn, "list_anomalies", {"kind": kind, "since": since, "limit": _limit(limit)})
+
+
+def list_dead_letters(redis: Redis, settings: Settings, limit: int = 50) -> list[dict[str, Any]]:
+    """The dead-letter queue's jobs, oldest failure first, without their payloads."""
+    registry = FailedJobRegistry(queue=events_queue(redis, settings))
+    ids = registry.get_job_ids(0, _limit(limit) - 1, cleanup=False)
+    jobs: list[dict[str, Any]] = []
+    for job in Job.fetch_many(ids, connection=redis, serializer=JSONSerializer):
+        if job is None:
+            continue
+        result = job.latest_result()
+        error = (result.exc_string or "").strip().splitlines() if result else []
+        jobs.append(
+            {
+                "id": job.id,
+                "function": job.func_name if _readable(job) else None,
+                "description": job.description,
+                "enqueued_at": job.enqueued_at,
+                "ended_at": job.ended_at,
+                "error": error[-1] if error else None,
+            }
+        )
+    return jobs
+
+
+def requeue_dead_letter(redis: Redis, settings: Settings, job_id: str) -> Job:
+    """Move one dead-letter job back onto the events queue with a fresh retry budget."""
+    queue = events_queue(redis, settings)
+    registry = FailedJobRegistry(queue=queue)
+    try:
+        job = Job.fetch(job_id, connection=redis, serializer=JSONSerializer)
+    except NoSuchJobError:
+        raise NotFound(f"no job {job_id}") from None
+    if job.origin != queue.name:
+        raise NotRequeueable(f"job {job_id} belongs to queue {job.origin!r}, not {queue.name!r}")
+    if not _readable(job) or job.func_name != APPLY_EVENT:
+        raise NotRequeueable(f"job {job_id} is not a payhook event job; it is never requeued")
+    intervals = list(settings.job_retry_intervals)
+    job.retries_left = len(intervals)
+    job.retry_intervals = intervals
+    try:
+        return registry.requeue(job)
+    except InvalidJobOperation:
+        raise NotRequeueable(f"job {job_id} is not in the dead-letter queue") from None
+
+
+def requeue_all_dead_letters(redis: Redis, settings: Settings) -> tuple[list[str], list[str]]:
+    """Requeue every dead-letter event job; the ids requeued and the ids refused."""
+    registry = FailedJobRegistry(queue=events_queue(redis, settings))
+    requeued: list[str] = []
+    refused: list[str] = []
+    for job_id in registry.get_job_ids(cleanup=False):
+        try:
+            requeue_dead_letter(redis, settings, job_id)
+        except (NotFound, NotRequeueable):
+            refused.append(job_id)
+        else:
+            requeued.append(job_id)
+    return requeued, refused
+
+
+def run(args: argparse.Namespace, settings: Settings, out: TextIO = sys.stdout) -> int:
+    """The `trace`, `exceptions`, `anomalies` and `dlq` commands."""
+    if args.command == "dlq":
+        return _run_dlq(args, settings, out)
+    with connect(settings, "operations") as conn:
+        if args.command == "trace":
+            trace = trace_event(conn, args.tenant, args.event_id)
+            if args.json:
+                _print_json(out, trace.__dict__)
+            else:
+                print(format_trace(trace), file=out)
+            return 0 if trace.found else 1
+        if args.command == "anomalies":
+            since = parse_duration("--since", args.since) if args.since else None
+            _print_rows(out, list_anomalies(conn, kind=args.kind, since=since, limit=args.limit))
+            return 0
+        if args.action == "list":
+            rows = list_exceptions(
+                conn,
+                include_resolved=args.all,
+                kind=args.kind,
+                tenant_id=args.tenant,
+                limit=args.limit,
+            )
+            _print_rows(out, rows)
+            return 0
+        if args.action == "replay":
+            replay = replay_exception(conn, args.id, tenant_id=args.tenant, dry_run=args.dry_run)
+            _print_json(out, replay.to_json())
+            return 0 if replay.resolved else 1
+        if args.action == "resolve":
+            closed = resolve_by_hand(conn, args.id, tenant_id=args.tenant)
+            _print_json(out, {"exception_id": args.id, "resolved": True, "changed": closed})
+            return 0
+    raise PayhookError(f"unknown command {args.command} {getattr(args, 'action', '')}".strip())
+
+
+def _run_dlq(args: argparse.Namespace, settings: Settings, out: TextIO) -> int:
+    redis = redis_connection(settings, timeout=10)
+    try:
+        if args.action == "list":
+            _print_rows(out, list_dead_letters(redis, settings, args.limit))
+            return 0
+        if args.all:
+            requeued, refused = requeue_all_dead_letters(redis, settings)
+            _print_json(out, {"requeued": requeued, "refused": refused})
+            return 0 if not refused else 1
+        if not args.job_ids:
+            raise PayhookError("dlq requeue: name one or more job ids, or --all")
+        failed = 0
+        for job_id in args.job_ids:
+            try:
+                requeue_dead_letter(redis, settings, job_id)
+            except (NotFound, NotRequeueable) as exc:
+                failed += 1
+                _print_json(out, {"id": job_id, "requeued": False, "reason": str(exc)})
+            else:
+                _print_json(out, {"id": job_id, "requeued": True})
+        return 1 if failed else 0
+    finally:
+        redis.close()
+
+
+def _readable(job: Job) -> bool:
+    try:
+        job.func_name  # noqa: B018 - deserializes the call data, JSON only
+    except DeserializationError:
+        return False
+    return True
+
+
+def _print_rows(out: TextIO, rows: Iterable[dict[str, Any]]) -> None:
+    for row in rows:
+        _print_json(out, row)
+
+
+def _print_json(out: TextIO, value: Any) -> None:
+    print(json.dumps(value, default=_json_value), file=out)
+
+
+def _json_value(value: Any) -> Any:
+    if isinstance(value, datetime):
+        return value.isoformat()
+    return str(value)
+
+
+def _when(value: datetime | None) -> str:
+    return value.isoformat(timespec="seconds") if value else "-"
+
+
+def _limit(limit: int) -> int:
+    if not 1 <= limit <= MAX_LIST_LIMIT:
+        raise PayhookError(f"--limit: expected 1 to {MAX_LIST_LIMIT}, got {limit}")
+    return limit
+
+
+def _uuid(value: str, name: str) -> str:
+    try:
+        return str(uuid.UUID(value))
+    except ValueError:
+        raise PayhookError(f"{name}: expected a UUID, got {value!r}") from None

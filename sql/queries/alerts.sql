@@ -1,0 +1,20 @@
+-- count_alert_signals --
+-- The alert signals PostgreSQL holds, in one round trip: payload-digest
+-- conflicts detected in the last %(window)s seconds, unresolved exceptions of
+-- authentic events that named no order, outbox rows still pending
+-- %(sla)s seconds after they were written, and dead outbox rows.
+SELECT
+    (SELECT count(*)
+       FROM payhook.security_anomalies
+      WHERE kind = 'digest_conflict'
+        AND detected_at > now() - make_interval(secs => %(window)s)) AS digest_conflicts,
+    (SELECT count(*)
+       FROM payhook.payment_exceptions
+      WHERE kind = 'unmapped_order' AND resolved_at IS NULL) AS unmapped_events,
+    (SELECT count(*)
+       FROM payhook.payment_outbox
+      WHERE state = 'pending'
+        AND created_at < now() - make_interval(secs => %(sla)s)) AS outbox_overdue,
+    (SELECT count(*)
+       FROM payhook.payment_outbox
+      WHERE state = 'dead') AS outbox_dead
