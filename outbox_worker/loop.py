@@ -25,7 +25,6 @@ import httpx
 import psycopg
 import structlog
 from psycopg import sql
-from psycopg_pool import ConnectionPool
 from structlog.typing import FilteringBoundLogger
 
 from outbox_worker import claims
@@ -33,7 +32,7 @@ from outbox_worker.backoff import retry_delay
 from outbox_worker.claims import Claim, StaleClaim
 from outbox_worker.config import OutboxConfig
 from outbox_worker.handlers import Outcome, deliver
-from payhook.db import Row
+from payhook.db import Pool, Row
 
 log = structlog.get_logger(__name__)
 
@@ -57,7 +56,7 @@ class Worker:
 
     def __init__(
         self,
-        pool: ConnectionPool[psycopg.Connection[Row]],
+        pool: Pool,
         client: httpx.Client,
         config: OutboxConfig,
         *,
@@ -98,7 +97,9 @@ class Worker:
             except psycopg.OperationalError as exc:
                 failures += 1
                 delay = min(DB_RETRY_DELAY * 2 ** (failures - 1), DB_RETRY_DELAY_MAX)
-                log.error("outbox_database_error", error=str(exc).strip()[:200], retry_in=delay)
+                log.error(
+                    "outbox_database_error", error=claims.short_error(str(exc)), retry_in=delay
+                )
                 self.stopping.wait(delay)
         if listener is not None:
             listener.join(timeout=LISTEN_TICK * 4)
@@ -127,7 +128,9 @@ class Worker:
             exc = future.exception()
             if exc is not None:
                 # The row stays claimed; it is due again when its lease ends.
-                log.error("outbox_record_failed", error=f"{type(exc).__name__}: {exc}"[:200])
+                log.error(
+                    "outbox_record_failed", error=claims.short_error(f"{type(exc).__name__}: {exc}")
+                )
         return len(batch)
 
     def _process(self, claim: Claim, deadline: float) -> None:
@@ -209,8 +212,11 @@ class Worker:
                     while not self.stopping.is_set():
                         for _ in conn.notifies(timeout=LISTEN_TICK, stop_after=1):
                             self.wake.set()
-            except psycopg.OperationalError as exc:
+            except psycopg.Error as exc:
+                # Polling still delivers; notifications resume once reconnected.
                 failures += 1
                 delay = min(DB_RETRY_DELAY * 2 ** (failures - 1), DB_RETRY_DELAY_MAX)
-                log.warning("outbox_listen_lost", error=str(exc).strip()[:200], retry_in=delay)
+                log.warning(
+                    "outbox_listen_lost", error=claims.short_error(str(exc)), retry_in=delay
+                )
                 self.stopping.wait(delay)

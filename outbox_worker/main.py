@@ -5,12 +5,10 @@ from __future__ import annotations
 import logging
 import signal
 from types import FrameType
-from typing import cast
 
 import httpx
 import psycopg
 import structlog
-from psycopg_pool import ConnectionPool
 
 from outbox_worker.config import OutboxConfig
 from outbox_worker.loop import Worker
@@ -39,8 +37,7 @@ def run(settings: Settings, once: bool = False) -> int:
     # our own line per delivery says what happened without it.
     logging.getLogger("httpx").setLevel(logging.WARNING)
     config = OutboxConfig.from_settings(settings)
-    # The pool's connections return dict rows (`connection_kwargs`).
-    pool = cast("ConnectionPool[psycopg.Connection[Row]]", create_pool(settings, "outbox-worker"))
+    pool = create_pool(settings, "outbox-worker")
     client = build_client(config)
 
     def listen() -> psycopg.Connection[Row]:

@@ -81,6 +81,7 @@ class Recorder:
 
 class Server(ThreadingHTTPServer):
     daemon_threads = True
+    request_queue_size = 128  # the default of 5 resets bursts of new connections
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         if not isinstance(sys.exc_info()[1], ConnectionError):
@@ -90,6 +91,9 @@ class Server(ThreadingHTTPServer):
 def make_handler(behaviour: Behaviour, recorder: Recorder) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        # Headers and body go out in two writes; without TCP_NODELAY the second
+        # waits for a delayed ACK (~40 ms) and the receiver looks slow.
+        disable_nagle_algorithm = True
 
         def do_POST(self) -> None:
             arrived = time.time()

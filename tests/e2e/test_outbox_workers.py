@@ -192,7 +192,7 @@ def test_sigkilled_worker_rows_are_taken_over_after_the_lease(
     receiver.configure(delay=60)  # every delivery hangs until the worker dies
     shop = factory.shop(fulfilment_url=receiver.url)
     keys = add_rows(conn, shop, 3)
-    settings = {"lease": "9s", "timeout": "3s", "batch": "3", "concurrency": "3"}
+    settings = {"lease": "6s", "timeout": "2s", "batch": "3", "concurrency": "3"}
     first = workers(**settings)
     wait_until(lambda: len(receiver.requests()) == 3, "the first worker is mid-delivery")
     first.signal(signal.SIGKILL)
@@ -323,3 +323,27 @@ def test_bad_setting_stops_the_worker_at_start_naming_it(workers: Any, tmp_path:
     worker = workers(lease="soon")
     assert worker.wait() == 2
     assert "PAYHOOK_OUTBOX_LEASE" in worker.errors.read_text()
+
+
+@pytest.mark.slow
+def test_worker_survives_its_database_connections_being_terminated(
+    conn: psycopg.Connection[Row], factory: Factory, receiver: Receiver, workers: Any
+) -> None:
+    """Claims reconnect through the pool, the listener reconnects and wakes the worker again."""
+    shop = factory.shop(fulfilment_url=receiver.url)
+    worker = workers(poll="10m")
+    wait_until(lambda: listeners(conn) == 1, "the worker listens")
+    add_rows(conn, shop, 1)
+    wait_until(lambda: count(conn, "delivered") == 1, "the first row is delivered")
+
+    conn.execute(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+        " WHERE datname = current_database() AND application_name LIKE 'payhook-outbox-%%'"
+    )
+    wait_until(lambda: worker.events("outbox_listen_lost"), "the worker notices")
+    wait_until(lambda: listeners(conn) == 1, "the worker listens again")
+    keys = add_rows(conn, shop, 3)
+    wait_until(lambda: count(conn, "delivered") == 4, "the new rows are delivered", timeout=30)
+    assert set(keys) <= set(receiver.keys())
+    worker.signal(signal.SIGTERM)
+    assert worker.wait() == 0

@@ -18,7 +18,7 @@ from payhook.settings import Settings
 from tests.factories import Factory
 
 
-def command(settings: Settings, capsys: pytest.CaptureFixture[str], *argv: str) -> list[dict]:
+def command(settings: Settings, capsys: pytest.CaptureFixture[str], *argv: str) -> list[Row]:
     args = build_parser().parse_args(["outbox", *argv])
     assert args.func(args, settings) == 0
     return [json.loads(line) for line in capsys.readouterr().out.splitlines()]

@@ -14,7 +14,6 @@ import psycopg
 import pytest
 import standardwebhooks
 from psycopg.types.json import Jsonb
-from psycopg_pool import ConnectionPool
 from structlog.testing import capture_logs
 
 from consumer.handler import Runtime, handle
@@ -23,7 +22,7 @@ from outbox_worker.config import OutboxConfig
 from outbox_worker.handlers import Outcome
 from outbox_worker.loop import Worker
 from outbox_worker.main import build_client
-from payhook.db import Row, create_pool, execute
+from payhook.db import Pool, Row, create_pool, execute
 from payhook.settings import Settings
 from tests.factories import Factory, Shop, StandardEvent
 from tests.receiver import Receiver
@@ -33,8 +32,8 @@ FAST = OutboxConfig(lease=30, batch=10, concurrency=4, poll=0.2, timeout=2, back
 
 
 @pytest.fixture
-def pool(settings: Settings) -> Iterator[ConnectionPool[psycopg.Connection[Row]]]:
-    pool: ConnectionPool[psycopg.Connection[Row]] = create_pool(settings, "test", size=4)  # type: ignore[assignment]
+def pool(settings: Settings) -> Iterator[Pool]:
+    pool = create_pool(settings, "test", size=4)
     pool.open(wait=True)
     yield pool
     pool.close()
@@ -46,7 +45,7 @@ def receiver(tmp_path: Path) -> Iterator[Receiver]:
         yield receiver
 
 
-def make_worker(pool: ConnectionPool[psycopg.Connection[Row]], config: OutboxConfig) -> Worker:
+def make_worker(pool: Pool, config: OutboxConfig) -> Worker:
     return Worker(pool, build_client(config), config)
 
 
@@ -104,7 +103,7 @@ def signing_secret(conn: psycopg.Connection[Row], shop: Shop) -> str:
 
 
 def test_delivery_is_a_signed_post_with_the_idempotency_key(
-    conn: psycopg.Connection[Row], factory: Factory, pool: Any, receiver: Receiver
+    conn: psycopg.Connection[Row], factory: Factory, pool: Pool, receiver: Receiver
 ) -> None:
     shop = factory.shop(fulfilment_url=receiver.url)
     order_id = factory.order(shop)
@@ -134,7 +133,7 @@ def test_delivery_is_a_signed_post_with_the_idempotency_key(
 
 
 def test_event_applied_by_the_consumer_reaches_the_fulfilment_url(
-    settings: Settings, factory: Factory, pool: Any, receiver: Receiver
+    settings: Settings, factory: Factory, pool: Pool, receiver: Receiver
 ) -> None:
     """The whole path: a signed gateway event, the consumer transaction, the outbox worker."""
     shop = factory.shop(fulfilment_url=receiver.url)
@@ -165,7 +164,7 @@ def test_event_applied_by_the_consumer_reaches_the_fulfilment_url(
 
 
 def test_400_is_dead_at_once_and_never_retried(
-    conn: psycopg.Connection[Row], factory: Factory, pool: Any, receiver: Receiver
+    conn: psycopg.Connection[Row], factory: Factory, pool: Pool, receiver: Receiver
 ) -> None:
     receiver.configure(status=400)
     shop = factory.shop(fulfilment_url=receiver.url)
@@ -186,7 +185,7 @@ def test_400_is_dead_at_once_and_never_retried(
 
 
 def test_5xx_is_retried_with_backoff_then_delivered(
-    conn: psycopg.Connection[Row], factory: Factory, pool: Any, receiver: Receiver
+    conn: psycopg.Connection[Row], factory: Factory, pool: Pool, receiver: Receiver
 ) -> None:
     receiver.configure(statuses=[500, 503])
     shop = factory.shop(fulfilment_url=receiver.url)
@@ -208,7 +207,7 @@ def test_5xx_is_retried_with_backoff_then_delivered(
 
 
 def test_429_retry_after_is_honoured(
-    conn: psycopg.Connection[Row], factory: Factory, pool: Any, receiver: Receiver
+    conn: psycopg.Connection[Row], factory: Factory, pool: Pool, receiver: Receiver
 ) -> None:
     receiver.configure(status=429, retry_after="120")
     shop = factory.shop(fulfilment_url=receiver.url)
@@ -222,7 +221,7 @@ def test_429_retry_after_is_honoured(
 
 
 def test_timeout_is_retried(
-    conn: psycopg.Connection[Row], factory: Factory, pool: Any, receiver: Receiver
+    conn: psycopg.Connection[Row], factory: Factory, pool: Pool, receiver: Receiver
 ) -> None:
     receiver.configure(delay=3)
     shop = factory.shop(fulfilment_url=receiver.url)
@@ -236,7 +235,7 @@ def test_timeout_is_retried(
 
 
 def test_connection_refused_is_retried(
-    conn: psycopg.Connection[Row], factory: Factory, pool: Any, receiver: Receiver
+    conn: psycopg.Connection[Row], factory: Factory, pool: Pool, receiver: Receiver
 ) -> None:
     shop = factory.shop(fulfilment_url=receiver.url)
     receiver.stop()
@@ -250,7 +249,7 @@ def test_connection_refused_is_retried(
 
 
 def test_last_allowed_attempt_makes_the_row_dead(
-    conn: psycopg.Connection[Row], factory: Factory, pool: Any, receiver: Receiver
+    conn: psycopg.Connection[Row], factory: Factory, pool: Pool, receiver: Receiver
 ) -> None:
     receiver.configure(status=502)
     shop = factory.shop(fulfilment_url=receiver.url)
@@ -268,7 +267,7 @@ def test_last_allowed_attempt_makes_the_row_dead(
 
 
 def test_tenant_without_url_gets_the_log_handler(
-    conn: psycopg.Connection[Row], factory: Factory, pool: Any, receiver: Receiver
+    conn: psycopg.Connection[Row], factory: Factory, pool: Pool, receiver: Receiver
 ) -> None:
     shop = factory.shop(fulfilment_url=None)
     [row_id] = add_rows(conn, shop, factory.order(shop))
@@ -286,7 +285,7 @@ def test_tenant_without_url_gets_the_log_handler(
 
 
 def test_stopping_worker_releases_claimed_rows_it_has_not_started(
-    conn: psycopg.Connection[Row], factory: Factory, pool: Any, receiver: Receiver
+    conn: psycopg.Connection[Row], factory: Factory, pool: Pool, receiver: Receiver
 ) -> None:
     shop = factory.shop(fulfilment_url=receiver.url)
     ids = add_rows(conn, shop, factory.order(shop), 3)
@@ -323,3 +322,19 @@ def test_row_is_not_started_without_a_full_delivery_left_in_its_lease(
     assert row(conn, first)["state"] == "delivered"
     late = row(conn, second)
     assert late["state"] == "pending" and late["attempts"] == 0 and late["claim_token"] is None
+
+
+def test_row_whose_last_attempt_was_lost_with_its_worker_is_dead_not_resent(
+    conn: psycopg.Connection[Row], factory: Factory, pool: Pool, receiver: Receiver
+) -> None:
+    """A worker died during the last allowed attempt: the takeover gives up, it does not send."""
+    shop = factory.shop(fulfilment_url=receiver.url)
+    [row_id] = add_rows(conn, shop, factory.order(shop))
+    conn.execute("UPDATE payhook.payment_outbox SET attempts = 3 WHERE id = %s", (row_id,))
+    worker = make_worker(pool, OutboxConfig(lease=30, timeout=2, max_attempts=3))
+    worker.run_once()
+    worker.close()
+    stored = row(conn, row_id)
+    assert (stored["state"], stored["attempts"]) == ("dead", 4)
+    assert stored["last_error"] == "worker lost during the last attempt"
+    assert receiver.requests() == []
