@@ -1,0 +1,219 @@
+"""Operator commands: trace, exceptions list, anomalies list, dead-letter requeue."""
+
+from __future__ import annotations
+
+import io
+import json
+import pickle
+import uuid
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from redis import Redis
+from rq import Queue
+from rq.job import Job
+from rq.registry import FailedJobRegistry
+from rq.serializers import JSONSerializer
+
+from consumer.handler import Runtime
+from consumer.jobs import install_runtime
+from consumer.main import build_worker
+from consumer.transaction import Endpoint, apply_event
+from consumer.worker import PayhookJob, PayhookWorker
+from payhook import operations
+from payhook.cli import build_parser
+from payhook.db import Row, create_pool
+from payhook.gateways import get_gateway
+from payhook.operations import NotRequeueable, requeue_dead_letter
+from payhook.queue import APPLY_EVENT, enqueue_event, events_queue
+from payhook.settings import Settings
+from tests.factories import Factory, Shop, StandardEvent
+
+
+def run(settings: Settings, *argv: str) -> tuple[int, str]:
+    """A command as the CLI parses it; its exit status and output."""
+    args = build_parser().parse_args(list(argv))
+    out = io.StringIO()
+    return operations.run(args, settings, out=out), out.getvalue()
+
+
+def deliver(conn: psycopg.Connection[Row], shop: Shop, event: StandardEvent) -> str:
+    body = event.body()
+    parsed = get_gateway("standard").parse(event.headers(shop.secret, body), body)
+    endpoint = Endpoint(shop.endpoint_id, shop.tenant_id, "standard", (shop.secret,))
+    return apply_event(conn, endpoint, parsed, str(uuid.uuid4())).outcome
+
+
+def lines(output: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in output.splitlines()]
+
+
+def test_trace_shows_receipt_order_transition_and_outbox(
+    conn: psycopg.Connection[Row], factory: Factory, settings: Settings
+) -> None:
+    shop = factory.shop()
+    order_id = factory.order(shop)
+    event = StandardEvent()
+    assert deliver(conn, shop, event) == "applied"
+
+    status, text = run(settings, "trace", event.event_id, "--tenant", shop.tenant_id)
+    assert status == 0
+    rows = {line.split()[0]: line for line in text.splitlines()[1:]}
+    assert "payment.succeeded" in rows["receipt"] and "outcome=applied" in rows["receipt"]
+    assert order_id in rows["order"] and "state=paid" in rows["order"]
+    assert "pending -> paid" in rows["transition"]
+    assert "fulfil_order" in rows["outbox"] and "state=pending" in rows["outbox"]
+    assert "attempts=0" in rows["outbox"]
+
+    status, text = run(settings, "trace", event.event_id, "--tenant", shop.tenant_id, "--json")
+    trace = json.loads(text)
+    assert trace["receipt"]["outcome"] == "applied"
+    assert [t["to_state"] for t in trace["transitions"]] == ["paid"]
+    assert [o["action"] for o in trace["outbox"]] == ["fulfil_order"]
+
+    status, text = run(settings, "trace", "msg_never_sent", "--tenant", shop.tenant_id)
+    assert status == 1 and "no record" in text
+
+
+def test_exceptions_list_shows_open_ones_and_anomalies_list_the_conflicts(
+    conn: psycopg.Connection[Row], factory: Factory, settings: Settings
+) -> None:
+    shop = factory.shop()
+    assert deliver(conn, shop, StandardEvent(merchant_reference="nope", gateway_order_id="pi_x"))
+    status, text = run(settings, "exceptions", "list")
+    [exception] = lines(text)
+    assert status == 0 and exception["kind"] == "unmapped_order"
+    assert exception["tenant_id"] == shop.tenant_id
+
+    assert run(settings, "exceptions", "resolve", str(exception["id"]))[0] == 0
+    assert run(settings, "exceptions", "list")[1] == ""
+    [closed] = lines(run(settings, "exceptions", "list", "--all")[1])
+    assert closed["resolved_at"] is not None
+    assert closed["detail"]["resolution"] == "by_hand"
+
+    factory.order(shop)
+    event = StandardEvent()
+    assert deliver(conn, shop, event) == "applied"
+    tampered = StandardEvent(event_id=event.event_id, amount=1)
+    assert deliver(conn, shop, tampered) == "digest_conflict"
+    [anomaly] = lines(run(settings, "anomalies", "list", "--kind", "digest_conflict")[1])
+    assert anomaly["event_id"] == event.event_id and anomaly["kind"] == "digest_conflict"
+    assert anomaly["stored_sha256"] != anomaly["received_sha256"]
+    assert run(settings, "anomalies", "list", "--kind", "signature_invalid")[1] == ""
+
+
+def dead_letter(redis_conn: Redis, queue: Queue, job: Job) -> Job:
+    """Run `job` once, with no retries left, in a worker without a database: it fails."""
+    job.retries_left = 0
+    job.save()
+    worker = PayhookWorker(
+        [queue], connection=redis_conn, serializer=JSONSerializer, job_class=PayhookJob
+    )
+    worker.work(burst=True, logging_level="ERROR")
+    assert job.id in FailedJobRegistry(queue=queue).get_job_ids()
+    return job
+
+
+def test_a_dead_letter_job_requeued_from_the_cli_is_applied_by_a_consumer(
+    factory: Factory, settings: Settings, redis_conn: Redis
+) -> None:
+    shop = factory.shop()
+    order_id = factory.order(shop)
+    queue = events_queue(redis_conn, settings)
+    envelope = factory.standard_envelope(shop, StandardEvent())
+    job = dead_letter(redis_conn, queue, enqueue_event(queue, envelope, settings))
+
+    status, text = run(settings, "dlq", "list")
+    [listed] = lines(text)
+    assert listed["id"] == job.id and listed["function"] == APPLY_EVENT
+    assert "runtime is not installed" in listed["error"]
+
+    status, text = run(settings, "dlq", "requeue", job.id)
+    assert (status, lines(text)) == (0, [{"id": job.id, "requeued": True}])
+    assert FailedJobRegistry(queue=queue).get_job_ids() == []
+    assert queue.get_job_ids() == [job.id]
+    again = Job.fetch(job.id, connection=redis_conn, serializer=JSONSerializer)
+    assert list(again.args) == [envelope.to_json()]
+    assert again.retries_left == len(settings.job_retry_intervals)
+
+    pool = create_pool(settings, "test", size=1)
+    pool.open()
+    install_runtime(Runtime(settings=settings, pool=pool, redis=redis_conn))
+    try:
+        build_worker(settings).work(burst=True, logging_level="ERROR")
+    finally:
+        install_runtime(None)
+        pool.close()
+    assert Job.fetch(job.id, connection=redis_conn, serializer=JSONSerializer).return_value() == {
+        "outcome": "applied",
+        "order_id": order_id,
+        "retries": 0,
+    }
+    assert factory.order_state(shop, order_id) == "paid"
+
+
+def test_only_payhook_event_jobs_of_the_events_queue_are_requeued(
+    factory: Factory, settings: Settings, redis_conn: Redis, tmp_path: Path
+) -> None:
+    queue = events_queue(redis_conn, settings)
+    marker = tmp_path / "ran"
+    forged = dead_letter(
+        redis_conn, queue, queue.enqueue("os.system", f"touch {marker}", retry=None)
+    )
+    other = Queue("somebody-elses", connection=redis_conn, serializer=JSONSerializer)
+    foreign = other.enqueue(APPLY_EVENT, {"v": 1})
+
+    with pytest.raises(NotRequeueable, match="not a payhook event job"):
+        requeue_dead_letter(redis_conn, settings, forged.id)
+    with pytest.raises(NotRequeueable, match="belongs to queue"):
+        requeue_dead_letter(redis_conn, settings, foreign.id)
+    status, text = run(settings, "dlq", "requeue", "--all")
+    assert (status, json.loads(text)) == (1, {"requeued": [], "refused": [forged.id]})
+    assert FailedJobRegistry(queue=queue).get_job_ids() == [forged.id]
+    assert queue.get_job_ids() == []
+    assert not marker.exists()
+
+
+def test_a_pickled_job_is_never_unpickled_by_the_cli(
+    settings: Settings, redis_conn: Redis, tmp_path: Path
+) -> None:
+    """Whoever can write to Redis must not run code in an operator's shell."""
+    marker = tmp_path / "unpickled"
+    queue = events_queue(redis_conn, settings)
+    job_id = plant_pickled_job(redis_conn, queue, marker)
+    status, text = run(settings, "dlq", "list")
+    [listed] = lines(text)
+    assert listed["id"] == job_id and listed["function"] is None
+    status, text = run(settings, "dlq", "requeue", job_id)
+    assert status == 1 and "not a payhook event job" in text
+    assert not marker.exists()
+
+
+class Touch:
+    """Unpickling this creates `path`: proof that something unpickled it."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Path.touch, (self.path,))
+
+
+def plant_pickled_job(redis_conn: Redis, queue: Queue, marker: Path) -> str:
+    """A dead-letter job written straight into Redis, its call and meta pickled."""
+    job_id = str(uuid.uuid4())
+    redis_conn.hset(
+        f"rq:job:{job_id}",
+        mapping={
+            "data": pickle.dumps((APPLY_EVENT, None, (Touch(marker),), {})),
+            "meta": pickle.dumps({"x": Touch(marker)}),
+            "origin": queue.name,
+            "status": "failed",
+            "created_at": "2026-01-01T00:00:00.000000Z",
+            "description": "planted",
+        },
+    )
+    redis_conn.zadd(FailedJobRegistry(queue=queue).key, {job_id: 4102444800})
+    return job_id
