@@ -7,7 +7,7 @@
 | `PAYHOOK_OUTBOX_CONCURRENCY` | 10 | deliveries in flight per worker process |
 | `PAYHOOK_OUTBOX_POLL` | 5s | longest idle wait when no notification arrives |
 | `PAYHOOK_OUTBOX_TIMEOUT` | 10s | HTTP timeout of one delivery (connect, write, read) |
-| `PAYHOOK_OUTBOX_MAX_ATTEMPTS` | 25 | attempts before a row is `dead` |
+| `PAYHOOK_OUTBOX_MAX_ATTEMPTS` | 30 | attempts before a row is `dead` |
 | `PAYHOOK_OUTBOX_BACKOFF` | 5s | delay before the first retry; doubles each attempt |
 | `PAYHOOK_OUTBOX_BACKOFF_MAX` | 1h | longest delay between two attempts, `Retry-After` included |
 """
@@ -32,7 +32,7 @@ DEFAULT_POLL = 5.0
 #: Seconds an HTTP delivery may wait on connect, write or read.
 DEFAULT_TIMEOUT = 10.0
 #: Attempts before a row is given up as dead.
-DEFAULT_MAX_ATTEMPTS = 25
+DEFAULT_MAX_ATTEMPTS = 30
 #: Seconds before the first retry.
 DEFAULT_BACKOFF = 5.0
 #: Seconds of the longest delay between two attempts.

@@ -149,7 +149,12 @@ class Worker:
             # The previous holder was lost during the last allowed attempt.
             outcome = Outcome("dead", "none", error="worker lost during the last attempt")
         else:
-            outcome = self.deliver(self.client, claim)
+            try:
+                outcome = self.deliver(self.client, claim)
+            except Exception as exc:
+                # A handler bug must not strand the row until its lease ends.
+                dlog.exception("outbox_handler_failed")
+                outcome = Outcome("retry", "none", error=f"handler failed: {type(exc).__name__}")
         duration_ms = round((time.monotonic() - began) * 1000, 1)
         self._record(claim, outcome, dlog.bind(duration_ms=duration_ms))
 

@@ -338,3 +338,24 @@ def test_row_whose_last_attempt_was_lost_with_its_worker_is_dead_not_resent(
     assert (stored["state"], stored["attempts"]) == ("dead", 4)
     assert stored["last_error"] == "worker lost during the last attempt"
     assert receiver.requests() == []
+
+
+def test_handler_crash_is_recorded_as_a_failed_attempt(
+    conn: psycopg.Connection[Row], factory: Factory, pool: Pool
+) -> None:
+    shop = factory.shop(fulfilment_url="http://127.0.0.1:9/unused")
+    [row_id] = add_rows(conn, shop, factory.order(shop))
+
+    def broken(client: httpx.Client, claim: Claim) -> Outcome:
+        raise KeyError("surprise")
+
+    config = OutboxConfig(lease=30, timeout=2, backoff=60, backoff_max=60)
+    worker = Worker(pool, build_client(config), config, deliver=broken)
+    with capture_logs() as logs:
+        worker.run_once()
+    worker.close()
+    stored = row(conn, row_id)
+    assert stored["state"] == "pending" and stored["claim_token"] is None
+    assert stored["last_error"] == "handler failed: KeyError"
+    assert stored["due_in"].total_seconds() > 25, "retried on the backoff, not the lease"
+    assert "outbox_handler_failed" in [e["event"] for e in logs]

@@ -16,7 +16,7 @@ def config(**env: str) -> OutboxConfig:
 def test_defaults_suit_a_payment_operator() -> None:
     c = config()
     assert (c.lease, c.batch, c.concurrency, c.poll) == (60, 20, 10, 5)
-    assert (c.timeout, c.max_attempts, c.backoff, c.backoff_max) == (10, 25, 5, 3600)
+    assert (c.timeout, c.max_attempts, c.backoff, c.backoff_max) == (10, 30, 5, 3600)
 
 
 def test_overrides_accept_durations_with_units() -> None:
