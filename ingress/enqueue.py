@@ -1,10 +1,9 @@
 """Put event jobs on the RQ queue with redis.asyncio, without blocking the event loop.
 
-Each job is one `EVAL` of a short Lua script that runs the job's commands
-(RQ's own, from `ingress.jobs`) atomically: a job is written whole or not at
-all, and never half. One writer task per process sends every job waiting at
-that moment in a single write and reads the replies in order (group commit),
-so a burst of requests costs one round trip, not one each.
+One writer task per process sends every job waiting at that moment as one
+`EVAL` that runs their commands (RQ's own, see `ingress.jobs`) atomically
+(group commit): a burst of requests costs one round trip and one reply, not
+one each, and a job is written whole or not at all.
 
 A request waits for its own reply at most `settings.enqueue_timeout` seconds.
 A job whose request gave up before it was sent is dropped, never sent late.
@@ -15,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Sequence
 
 import redis.asyncio as aioredis
 from redis.asyncio.connection import AbstractConnection, ConnectionPool
@@ -23,25 +21,14 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError, ResponseError
 
-from ingress.jobs import Command, JobTemplate
+from ingress.jobs import JobTemplate, PackedJob, pack_jobs
 from payhook.envelope import Envelope
 from payhook.errors import PayhookError
 from payhook.settings import Settings
 
-#: Runs the commands packed in ARGV as one atomic unit: each command is its
-#: argument count followed by its arguments. The shebang makes Redis refuse
-#: the whole script up front when it is out of memory.
-REPLAY_SCRIPT = b"""#!lua
-local i = 1
-while i <= #ARGV do
-  local n = tonumber(ARGV[i])
-  redis.call(unpack(ARGV, i + 1, i + n))
-  i = i + n + 1
-end
-return 1
-"""
-#: Most jobs sent in one write; the rest go in the next.
-MAX_BATCH = 512
+#: Most jobs in one `EVAL`; Redis runs a script without interruption, so
+#: this bounds how long one batch holds it (about 10 µs a job).
+MAX_BATCH = 256
 #: Connections per process: one for the writer, the others for probes.
 REDIS_CONNECTIONS = 4
 
@@ -50,34 +37,15 @@ class EnqueueFailed(PayhookError):
     """Redis did not accept the job."""
 
 
-def pack_command(args: Sequence[bytes]) -> bytes:
-    """One command in the Redis protocol (RESP), as an array of bulk strings."""
-    parts = [b"*%d\r\n" % len(args)]
-    for arg in args:
-        parts.append(b"$%d\r\n" % len(arg))
-        parts.append(arg)
-        parts.append(b"\r\n")
-    return b"".join(parts)
-
-
-def pack_job(commands: Sequence[Command]) -> bytes:
-    """The `EVAL` that writes one job's commands atomically."""
-    args = [b"EVAL", REPLAY_SCRIPT, b"0"]
-    for command in commands:
-        args.append(b"%d" % len(command))
-        args.extend(command)
-    return pack_command(args)
-
-
 class JobWriter:
     """Sends waiting jobs in batches over one pooled connection; replies resolve futures."""
 
     def __init__(self, pool: ConnectionPool) -> None:
         self._pool = pool
-        self._waiting: list[tuple[bytes, asyncio.Future[None]]] = []
+        self._waiting: list[tuple[PackedJob, asyncio.Future[None]]] = []
         self._task: asyncio.Task[None] | None = None
 
-    async def write(self, packed: bytes) -> None:
+    async def write(self, packed: PackedJob) -> None:
         """Return once Redis has run the job; raise what Redis or the connection raised."""
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiting.append((packed, future))
@@ -105,27 +73,29 @@ class JobWriter:
         finally:
             self._task = None
 
-    async def _send(self, batch: list[tuple[bytes, asyncio.Future[None]]]) -> None:
+    async def _send(self, batch: list[tuple[PackedJob, asyncio.Future[None]]]) -> None:
         try:
             # Unannotated in redis-py; returns a connected AbstractConnection.
             connection: AbstractConnection = await self._pool.get_connection()  # type: ignore[no-untyped-call]
         except (RedisError, OSError) as exc:
-            _fail(batch, exc)
+            _settle_all(batch, exc)
             return
         try:
-            await connection.send_packed_command(b"".join(p for p, _ in batch), check_health=False)
-            for _, future in batch:
-                try:
-                    await connection.read_response()
-                except ResponseError as exc:
-                    # An error reply ends that job only; the connection is still in step.
-                    _settle(future, exc)
-                else:
-                    _settle(future, None)
+            await connection.send_packed_command(
+                pack_jobs([job for job, _ in batch]), check_health=False
+            )
+            try:
+                await connection.read_response()
+            except ResponseError as exc:
+                # The script failed (out of memory: refused whole); the
+                # connection is still in step.
+                _settle_all(batch, exc)
+            else:
+                _settle_all(batch, None)
         except BaseException as exc:
             # Replies may be left unread: the connection is out of step, drop it.
             await _disconnect(connection)
-            _fail(batch, exc if isinstance(exc, Exception) else EnqueueFailed("cancelled"))
+            _settle_all(batch, exc if isinstance(exc, Exception) else EnqueueFailed("cancelled"))
             if not isinstance(exc, Exception):
                 raise
         finally:
@@ -141,7 +111,10 @@ def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:
         future.set_exception(error)
 
 
-def _fail(batch: list[tuple[bytes, asyncio.Future[None]]], error: BaseException) -> None:
+def _settle_all(
+    batch: list[tuple[PackedJob, asyncio.Future[None]]], error: BaseException | None
+) -> None:
+    """Settle every future of the batch still waiting: with `error`, or done if None."""
     for _, future in batch:
         _settle(future, error)
 
@@ -170,7 +143,7 @@ class Enqueuer:
     async def enqueue(self, envelope: Envelope) -> float:
         """Write the job; the seconds it took. `EnqueueFailed` unless Redis accepted it."""
         started = time.perf_counter()
-        packed = pack_job(self.template.commands(envelope))
+        packed = self.template.packed(envelope)
         try:
             async with asyncio.timeout(self.timeout):
                 await self.writer.write(packed)

@@ -17,7 +17,7 @@ from starlette.routing import Route
 from ingress.body import BodyTooLarge, read_body
 from ingress.enqueue import EnqueueFailed
 from payhook.envelope import Envelope
-from payhook.errors import MalformedEvent, MalformedHeaders, SignatureError
+from payhook.errors import MalformedHeaders, SignatureError
 from payhook.gateways import get_gateway, standard, stripe
 
 if TYPE_CHECKING:
@@ -81,9 +81,10 @@ async def _receive(ingress: Ingress, request: Request, line: dict[str, Any]) -> 
     line["bytes"] = len(body)
 
     gateway = get_gateway(endpoint.gateway)
+    headers = _headers(request)
     try:
         gateway.verify(
-            request.headers,
+            headers,
             body,
             endpoint.secrets,
             now=time.time(),
@@ -97,22 +98,13 @@ async def _receive(ingress: Ingress, request: Request, line: dict[str, Any]) -> 
             return _error(400, "bad_request")
         return _error(401, "unauthorized")
 
-    # Authentic from here on; the event id is read for the log line only. A
-    # body payhook cannot read is still queued: the consumer records it.
-    try:
-        event = gateway.parse(request.headers, body)
-        line["event_id"], line["event_type"] = event.event_id, event.event_type
-    except (MalformedEvent, RecursionError):
-        line["event_unreadable"] = True
-
+    # Authentic from here on. A body payhook cannot read is queued all the
+    # same: the consumer records it.
+    line["event_id"] = event_id(gateway.name, headers, body)
     envelope = Envelope(
         endpoint_id=endpoint.id,
         body=body,
-        headers={
-            name: request.headers[name]
-            for name in gateway.signature_headers
-            if name in request.headers
-        },
+        headers={name: headers[name] for name in gateway.signature_headers if name in headers},
         received_at=datetime.now(UTC),
         delivery_id=str(uuid.uuid4()),
     )
@@ -124,8 +116,28 @@ async def _receive(ingress: Ingress, request: Request, line: dict[str, Any]) -> 
         line["error"] = str(exc)
         return _error(503, "unavailable", ingress.retry_after)
     ingress.metrics.enqueue_seconds.observe(seconds)
-    body_202 = json.dumps({"delivery_id": envelope.delivery_id}).encode()
-    return Response(body_202, status_code=202, media_type=JSON)
+    accepted = b'{"delivery_id": "%b"}' % envelope.delivery_id.encode()
+    return Response(accepted, status_code=202, media_type=JSON)
+
+
+def _headers(request: Request) -> dict[str, str]:
+    """The request headers (names lower-case, as ASGI gives them); the first of repeats wins."""
+    headers: dict[str, str] = {}
+    for name, value in request.scope["headers"]:
+        headers.setdefault(name.decode("latin-1"), value.decode("latin-1"))
+    return headers
+
+
+def event_id(gateway: str, headers: dict[str, str], body: bytes) -> str | None:
+    """The event id of an authentic request, for the log line; None if unreadable."""
+    if gateway == "standard":
+        return headers.get("webhook-id")
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    value = data.get("id") if isinstance(data, dict) else None
+    return value if isinstance(value, str) else None
 
 
 async def healthz(request: Request) -> Response:

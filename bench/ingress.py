@@ -1,0 +1,353 @@
+"""Ingress throughput and latency, beside a bare Starlette route in the same run.
+
+    python -m bench.ingress [--seconds S] [--rounds R] [--connections C] [--rate N]
+                            [--fsync always|everysec|no]
+
+1. Throughput: wrk (Debian's `wrk`) drives one uvicorn worker of each app
+   with the same signed ~1.5 KB bodies, rounds alternating: a bare Starlette
+   route that reads the body and answers 202 (the ceiling), then the ingress
+   (verify, enqueue to a real Redis, 202). Reported: the median of each and
+   their ratio. Goal: the ingress at 40% of the bare route or more.
+2. Latency: an open-loop generator sends N requests per second (default
+   1,000) to the ingress for S seconds; latency counts from each request's
+   scheduled time, so a stall is not hidden by the sender waiting for it.
+   Goal: p99 below 10 ms.
+
+Both apps run as real processes; Redis is a private redis-server started here
+with the persistence of compose.yaml (`appendfsync always`) unless --fsync
+says otherwise, and the endpoint comes from a scratch PostgreSQL database.
+Every response is checked: a run with any status but 202 fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import psycopg
+from psycopg import sql
+from redis import Redis
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from payhook import admin
+from payhook.db import connect
+from payhook.gateways import standard
+from payhook.migrations import apply_migrations
+from payhook.settings import Settings
+
+PG = os.environ.get("PAYHOOK_BENCH_PG", "postgresql://postgres@127.0.0.1:5432")
+DB = "payhook_bench_ingress"
+#: Distinct signed events the load cycles through.
+EVENTS = 2000
+#: Body size the issue asks for, in bytes.
+BODY_SIZE = 1500
+
+
+async def bare_route(request: Request) -> Response:
+    await request.body()
+    return Response(b'{"delivery_id": "bare"}', status_code=202, media_type="application/json")
+
+
+#: The ceiling: a route that reads the body and answers 202, nothing else.
+bare_app = Starlette(routes=[Route("/webhooks/{endpoint_id}", bare_route, methods=["POST"])])
+
+
+def spare_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_for_port(port: int, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"nothing listens on port {port}")
+
+
+@contextmanager
+def process(args: list[str], env: dict[str, str], port: int) -> Iterator[subprocess.Popen[bytes]]:
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        wait_for_port(port)
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@contextmanager
+def private_redis(fsync: str) -> Iterator[str]:
+    port = spare_port()
+    folder = tempfile.mkdtemp(prefix="payhook-bench-redis-")
+    persistence = ["--appendonly", "no"] if fsync == "no" else ["--appendonly", "yes"]
+    persistence += ["--appendfsync", fsync if fsync != "no" else "everysec"]
+    args = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
+    args += ["--dir", folder, *persistence, "--daemonize", "no", "--logfile", ""]
+    try:
+        with process(args, dict(os.environ), port):
+            yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@contextmanager
+def scratch_endpoint(redis_url: str) -> Iterator[tuple[Settings, str, str]]:
+    """Settings on a fresh database holding one tenant and one standard endpoint."""
+    with psycopg.connect(f"{PG}/postgres", autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(DB)))
+    settings = Settings.from_env(
+        {"DATABASE_URL": f"{PG}/{DB}", "REDIS_URL": redis_url, "PAYHOOK_QUEUE": "payhook-bench"}
+    )
+    try:
+        apply_migrations(settings)
+        with connect(settings) as conn:
+            tenant = admin.add_tenant(conn, "bench")
+            endpoint = admin.add_endpoint(conn, tenant, "standard")
+        yield settings, endpoint.endpoint_id, endpoint.secret
+    finally:
+        with psycopg.connect(f"{PG}/postgres", autocommit=True) as conn:
+            conn.execute(
+                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(DB))
+            )
+
+
+def signed_requests(secret: str, count: int) -> list[tuple[bytes, dict[str, str]]]:
+    """`count` distinct payment events of about BODY_SIZE bytes, signed now."""
+    requests = []
+    timestamp = int(time.time())
+    for i in range(count):
+        event_id = f"msg_{uuid.uuid4().hex}"
+        payload = {
+            "type": "payment.succeeded",
+            "timestamp": "2026-11-30T00:00:00+00:00",
+            "data": {
+                "gateway_order_id": f"pi_{uuid.uuid4().hex[:24]}",
+                "merchant_reference": f"order-{i}",
+                "amount": 1500 + i,
+                "currency": "EUR",
+                "customer": {"email": f"customer{i}@example.com", "country": "NL"},
+                "description": "",
+            },
+        }
+        body = json.dumps(payload).encode()
+        payload["data"]["description"] = "x" * (BODY_SIZE - len(body))  # type: ignore[index]
+        body = json.dumps(payload).encode()
+        headers = {
+            "webhook-id": event_id,
+            "webhook-timestamp": str(timestamp),
+            "webhook-signature": standard.sign(secret, event_id, timestamp, body),
+            "content-type": "application/json",
+        }
+        requests.append((body, headers))
+    return requests
+
+
+def wrk_script(path: str, requests: list[tuple[bytes, dict[str, str]]], folder: Path) -> Path:
+    """A wrk Lua script cycling through the pre-signed requests, counting non-202s."""
+    lines = ["local requests = {}"]
+    for body, headers in requests:
+        header_table = ", ".join(f"[{_lua(k)}] = {_lua(v)}" for k, v in headers.items())
+        lines.append(
+            f"table.insert(requests, wrk.format('POST', {_lua(path)}, "
+            f"{{{header_table}}}, {_lua(body.decode())}))"
+        )
+    lines += [
+        "local i = 0",
+        "request = function() i = i % #requests + 1; return requests[i] end",
+        "local bad = 0",
+        "response = function(status) if status ~= 202 then bad = bad + 1 end end",
+        "done = function() io.write(string.format('non202 %d\\n', bad)) end",
+    ]
+    script = folder / "requests.lua"
+    script.write_text("\n".join(lines) + "\n")
+    return script
+
+
+def _lua(text: str) -> str:
+    return json.dumps(text)  # a JSON string is a valid Lua string literal for ASCII text
+
+
+def run_wrk(port: int, script: Path, seconds: int, connections: int) -> float:
+    """Requests per second of one wrk run; raises if any response was not 202."""
+    out = subprocess.run(
+        ["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "-s", str(script),
+         f"http://127.0.0.1:{port}"],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    bad = next(int(line.split()[1]) for line in out.splitlines() if line.startswith("non202"))
+    errors = [line for line in out.splitlines() if "Non-2xx" in line or "Socket errors" in line]
+    if bad or errors:
+        raise RuntimeError(f"wrk saw failures: non202={bad} {errors}")
+    return float(next(line.split()[1] for line in out.splitlines() if "Requests/sec" in line))
+
+
+async def open_loop(
+    port: int,
+    requests: list[tuple[bytes, dict[str, str]]],
+    rate: int,
+    seconds: float,
+    connections: int = 32,
+) -> list[float]:
+    """Latencies in seconds of `rate` requests/s for `seconds`, from each scheduled time."""
+    path = "/webhooks/{}".format(requests[0][1]["x-endpoint"])
+    raw = []
+    for body, headers in requests:
+        head = "".join(f"{k}: {v}\r\n" for k, v in headers.items() if k != "x-endpoint")
+        raw.append(
+            f"POST {path} HTTP/1.1\r\nhost: 127.0.0.1\r\n{head}"
+            f"content-length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+    total = int(rate * seconds)
+    slots: asyncio.Queue[tuple[int, float]] = asyncio.Queue()
+    latencies: list[float] = []
+    failures: list[str] = []
+
+    async def worker() -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            while True:
+                number, scheduled = await slots.get()
+                if number < 0:
+                    return
+                writer.write(raw[number % len(raw)])
+                status_line = await reader.readline()
+                length = 0
+                while (line := await reader.readline()) not in (b"\r\n", b""):
+                    name, _, value = line.decode().partition(":")
+                    if name.lower() == "content-length":
+                        length = int(value)
+                await reader.readexactly(length)
+                latencies.append(time.perf_counter() - scheduled)
+                if b" 202 " not in status_line:
+                    failures.append(status_line.decode().strip())
+        finally:
+            writer.close()
+
+    workers = [asyncio.create_task(worker()) for _ in range(connections)]
+    start = time.perf_counter() + 0.2
+    for number in range(total):
+        scheduled = start + number / rate
+        delay = scheduled - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        slots.put_nowait((number, scheduled))
+    for _ in workers:
+        slots.put_nowait((-1, 0.0))
+    await asyncio.gather(*workers)
+    if failures:
+        raise RuntimeError(f"{len(failures)} responses were not 202, e.g. {failures[0]}")
+    return latencies
+
+
+def percentile(values: list[float], fraction: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=int, default=8, help="length of each wrk round")
+    parser.add_argument("--rounds", type=int, default=3, help="wrk rounds per app")
+    parser.add_argument("--connections", type=int, default=32, help="wrk connections")
+    parser.add_argument("--rate", type=int, default=1000, help="open-loop requests per second")
+    parser.add_argument("--latency-seconds", type=float, default=10.0)
+    parser.add_argument("--fsync", choices=["always", "everysec", "no"], default="always")
+    args = parser.parse_args(argv)
+    if shutil.which("wrk") is None:
+        print("bench.ingress: wrk is missing: apt-get install -y wrk", file=sys.stderr)
+        return 2
+
+    python = sys.executable
+    with (
+        private_redis(args.fsync) as redis_url,
+        scratch_endpoint(redis_url) as (settings, endpoint_id, secret),
+        tempfile.TemporaryDirectory(prefix="payhook-bench-") as folder,
+    ):
+        requests = signed_requests(secret, EVENTS)
+        script = wrk_script(f"/webhooks/{endpoint_id}", requests, Path(folder))
+        env = dict(os.environ) | {
+            "DATABASE_URL": settings.database_url,
+            "REDIS_URL": redis_url,
+            "PAYHOOK_QUEUE": settings.queue,
+            "PAYHOOK_LOG_LEVEL": "INFO",
+        }
+        bare_port, ingress_port = spare_port(), spare_port()
+        uvicorn_args = ["--no-access-log", "--log-level", "warning"]
+        bare = [python, "-m", "uvicorn", "bench.ingress:bare_app", "--port", str(bare_port)]
+        ingress = [python, "-m", "payhook.cli", "ingress", "--port", str(ingress_port)]
+        with process(bare + uvicorn_args, env, bare_port), process(ingress, env, ingress_port):
+            redis = Redis.from_url(redis_url)
+            wait_ready(ingress_port)
+            # Warm both (imports, connections, caches) before measuring.
+            run_wrk(bare_port, script, 2, args.connections)
+            run_wrk(ingress_port, script, 2, args.connections)
+            bare_rps, ingress_rps = [], []
+            for _ in range(args.rounds):
+                bare_rps.append(run_wrk(bare_port, script, args.seconds, args.connections))
+                ingress_rps.append(run_wrk(ingress_port, script, args.seconds, args.connections))
+            queued = int(redis.llen(f"rq:queue:{settings.queue}"))
+            redis.flushdb()
+            for _, headers in requests:
+                headers["x-endpoint"] = endpoint_id
+            latencies = asyncio.run(
+                open_loop(ingress_port, requests, args.rate, args.latency_seconds)
+            )
+            redis.close()
+
+    bare_median, ingress_median = statistics.median(bare_rps), statistics.median(ingress_rps)
+    ratio = ingress_median / bare_median
+    p50, p99 = percentile(latencies, 0.50), percentile(latencies, 0.99)
+    print(f"machine: {os.cpu_count()} CPUs, redis appendfsync={args.fsync}")
+    print(f"wrk -t1 -c{args.connections}, {args.rounds} rounds of {args.seconds}s each, ")
+    print(f"  bare Starlette route  {_rates(bare_rps)}  median {bare_median:,.0f} req/s")
+    print(f"  ingress               {_rates(ingress_rps)}  median {ingress_median:,.0f} req/s")
+    print(f"  ratio ingress/bare    {ratio:.0%}   (goal >= 40%)   jobs queued: {queued:,}")
+    print(f"open loop at {args.rate} req/s for {args.latency_seconds:.0f}s: ", end="")
+    print(f"p50 {p50 * 1000:.2f} ms, p99 {p99 * 1000:.2f} ms, max {max(latencies) * 1000:.2f} ms")
+    print(f"  (goal p99 < 10 ms)   requests: {len(latencies):,}")
+    return 0
+
+
+def _rates(values: list[float]) -> str:
+    return "[" + ", ".join(f"{v:,.0f}" for v in values) + "]"
+
+
+def wait_ready(port: int, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.sendall(b"GET /readyz HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+            if b" 200 " in sock.recv(1024):
+                return
+        time.sleep(0.1)
+    raise RuntimeError("the ingress did not become ready")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
