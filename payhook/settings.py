@@ -63,9 +63,11 @@ class Settings:
     job_grace: int = 15
     #: Seconds between RQ maintenance passes that requeue abandoned jobs.
     maintenance_interval: int = 30
-    #: RQ retries of one event job after a connection error, with these
-    #: intervals in seconds.
-    job_retry_intervals: tuple[int, ...] = (2, 5, 15, 30, 60, 120, 300, 600)
+    #: RQ retries of one event job that raised (database down) or was abandoned
+    #: by a killed worker, with these intervals in seconds. The first is 0: an
+    #: immediate requeue needs no RQ scheduler, so an abandoned job comes back
+    #: even while the scheduler lock of a killed worker has not yet expired.
+    job_retry_intervals: tuple[int, ...] = (0, 2, 5, 15, 30, 60, 120, 300, 600)
     #: In-job retries of a transaction after a serialization failure or deadlock.
     serialization_retries: int = 5
     #: Largest request body the ingress reads, in bytes.
@@ -132,7 +134,8 @@ class Settings:
         if "PAYHOOK_JOB_RETRY_INTERVALS" in environ:
             raw = environ["PAYHOOK_JOB_RETRY_INTERVALS"]
             values["job_retry_intervals"] = tuple(
-                positive_int("PAYHOOK_JOB_RETRY_INTERVALS", part) for part in raw.split(",")
+                positive_int("PAYHOOK_JOB_RETRY_INTERVALS", part, minimum=0)
+                for part in raw.split(",")
             )
         if "PAYHOOK_LOG_LEVEL" in environ:
             level = environ["PAYHOOK_LOG_LEVEL"].upper()
@@ -167,11 +170,12 @@ def _check_url(name: str, value: str, schemes: tuple[str, ...]) -> None:
         raise SettingsError(f"{name}: expected a URL starting with {' or '.join(schemes)}")
 
 
-def positive_int(name: str, raw: str) -> int:
+def positive_int(name: str, raw: str, *, minimum: int = 1) -> int:
+    """`raw` as a whole number of at least `minimum`; SettingsError naming `name` if not."""
     try:
         value = int(raw.strip())
     except ValueError:
         raise SettingsError(f"{name}: expected a whole number, got {raw!r}") from None
-    if value <= 0:
-        raise SettingsError(f"{name}: expected a number above zero, got {value}")
+    if value < minimum:
+        raise SettingsError(f"{name}: expected a number of at least {minimum}, got {value}")
     return value

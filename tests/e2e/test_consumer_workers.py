@@ -22,7 +22,7 @@ FAST = {
     "PAYHOOK_JOB_TIMEOUT": "3",
     "PAYHOOK_JOB_GRACE": "2",
     "PAYHOOK_MAINTENANCE_INTERVAL": "1",
-    "PAYHOOK_JOB_RETRY_INTERVALS": "1,1,1",
+    "PAYHOOK_JOB_RETRY_INTERVALS": "0,1,1",
 }
 
 
@@ -81,9 +81,10 @@ def test_worker_killed_after_commit_is_retried_without_a_second_effect(
         env | {"PAYHOOK_FAULTS": "consumer_kill_after_commit"},
         tmp_path / "doomed.log",
     )
-    # Only the worker process dies; its scheduler child lives on, as it would
-    # in production, and schedules the retry.
     assert doomed.wait(timeout=30) == -signal.SIGKILL
+    # Its scheduler child too, as when a container is killed: the first retry
+    # is immediate, so recovery does not wait for the scheduler lock to expire.
+    stop(doomed)
     assert factory.count("payment_event_receipts", outcome="applied") == 1
     assert fetch(redis_conn, job_id).get_status() == JobStatus.STARTED
 
@@ -96,7 +97,6 @@ def test_worker_killed_after_commit_is_retried_without_a_second_effect(
         )
     finally:
         stop(survivor)
-        stop(doomed)
     assert fetch(redis_conn, job_id).return_value()["outcome"] == "duplicate"
     assert factory.count("payment_order_transitions", order_id=order_id) == 1
     assert factory.count("payment_outbox", order_id=order_id) == 1

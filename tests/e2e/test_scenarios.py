@@ -1,0 +1,329 @@
+"""The system's promise across real processes: one effect per authentic event.
+
+One stack for the module (its own PostgreSQL and Redis, 2 ingress instances,
+3 consumers, 1 outbox worker, a recording receiver); every scenario uses a
+tenant of its own, so they cannot see each other's rows.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from tests.e2e.stack import Stack, running_stack
+from tests.factories import Shop, StandardEvent
+from tests.processes import stop, wait_until
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[Stack]:
+    with running_stack() as running:
+        yield running
+
+
+def send(url: str, event: StandardEvent, secret: str, *, until_2xx: bool = False) -> int:
+    """POST like a gateway: the signed body; with `until_2xx`, retry until acknowledged."""
+    body = event.body()
+    headers = event.headers(secret, body) | {"content-type": "application/json"}
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            status = httpx.post(url, content=body, headers=headers, timeout=10).status_code
+        except httpx.HTTPError:
+            status = 0
+        if not until_2xx or 200 <= status < 300 or time.monotonic() > deadline:
+            return status
+        time.sleep(0.2)
+
+
+def fulfil_key(shop: Shop, event: StandardEvent) -> str:
+    return f"{shop.tenant_id}:{event.event_id}:fulfil_order"
+
+
+def deadlocks(stack: Stack) -> int:
+    return stack.count(
+        "SELECT deadlocks AS n FROM pg_stat_database WHERE datname = current_database()"
+    )
+
+
+def tenant_counts(stack: Stack, shop: Shop) -> dict[str, int]:
+    params = {"t": shop.tenant_id}
+    tables = {
+        "receipts": "payment_event_receipts",
+        "transitions": "payment_order_transitions",
+        "outbox": "payment_outbox",
+        "exceptions": "payment_exceptions",
+        "anomalies": "security_anomalies",
+    }
+    return {
+        name: stack.count(
+            f"SELECT count(*) AS n FROM payhook.{table} WHERE tenant_id = %(t)s", params
+        )
+        for name, table in tables.items()
+    }
+
+
+def test_duplicate_storm_across_two_ingresses_has_one_effect(stack: Stack) -> None:
+    shop = stack.shop()
+    stack.order(shop, "storm-1", "pi_storm")
+    event = StandardEvent(merchant_reference="storm-1", gateway_order_id="pi_storm")
+    before = deadlocks(stack)
+    with ThreadPoolExecutor(20) as pool:
+        statuses = list(
+            pool.map(lambda i: send(stack.url(shop, i % 2), event, shop.secret), range(20))
+        )
+    assert statuses == [202] * 20
+    took = stack.settle(timeout=30)
+    wait_until(lambda: fulfil_key(shop, event) in stack.receiver.keys(), 10, "the fulfilment")
+    print(f"duplicate storm settled in {took:.1f}s")
+    counts = tenant_counts(stack, shop)
+    assert counts == {"receipts": 1, "transitions": 1, "outbox": 1, "exceptions": 0, "anomalies": 0}
+    assert stack.receiver.keys().count(fulfil_key(shop, event)) == 1
+    assert deadlocks(stack) == before
+    assert stack.failed_jobs() == 0
+
+
+def test_amount_mismatch_fulfils_nothing(stack: Stack) -> None:
+    shop = stack.shop()
+    stack.order(shop, "mismatch-1", "pi_mismatch", amount=5000)
+    event = StandardEvent(
+        merchant_reference="mismatch-1", gateway_order_id="pi_mismatch", amount=50
+    )
+    assert send(stack.url(shop), event, shop.secret) == 202
+    stack.settle(timeout=30)
+    assert tenant_counts(stack, shop) == {
+        "receipts": 1,
+        "transitions": 0,
+        "outbox": 0,
+        "exceptions": 1,
+        "anomalies": 0,
+    }
+    state = stack.count(
+        "SELECT count(*) AS n FROM payhook.payment_orders"
+        " WHERE tenant_id = %(t)s AND state = 'pending'",
+        {"t": shop.tenant_id},
+    )
+    assert state == 1
+    assert not any(k.startswith(shop.tenant_id) for k in stack.receiver.keys())
+
+
+def test_consumer_killed_after_commit_then_redelivery_has_one_effect(stack: Stack) -> None:
+    shop = stack.shop()
+    stack.order(shop, "crash-1", "pi_crash")
+    event = StandardEvent(merchant_reference="crash-1", gateway_order_id="pi_crash")
+    healthy = list(stack.consumers)
+    for proc in healthy:
+        stop(proc)
+    stack.consumers.clear()
+    doomed = stack.start_consumer(PAYHOOK_FAULTS="consumer_kill_after_commit")
+    assert send(stack.url(shop), event, shop.secret) == 202
+    assert doomed.wait(timeout=30) == -signal.SIGKILL
+    stop(doomed)  # the whole process group, as a container kill would
+    stack.consumers.remove(doomed)
+    assert tenant_counts(stack, shop)["transitions"] == 1, "the transaction had committed"
+
+    # The gateway redelivers the same event, as gateways do.
+    assert send(stack.url(shop, 1), event, shop.secret) == 202
+    for _ in range(3):
+        stack.start_consumer()
+    took = stack.settle(timeout=120)
+    wait_until(lambda: fulfil_key(shop, event) in stack.receiver.keys(), 10, "the fulfilment")
+    print(f"abandoned job recovered and redelivery settled in {took:.1f}s")
+    assert tenant_counts(stack, shop) == {
+        "receipts": 1,
+        "transitions": 1,
+        "outbox": 1,
+        "exceptions": 0,
+        "anomalies": 0,
+    }
+    assert stack.receiver.keys().count(fulfil_key(shop, event)) == 1
+
+
+def test_bad_input_at_the_door_is_refused_and_writes_nothing(stack: Stack) -> None:
+    shop = stack.shop()
+    good = []
+    for i in range(10):
+        stack.order(shop, f"door-{i}", f"pi_door_{i}")
+        good.append(StandardEvent(merchant_reference=f"door-{i}", gateway_order_id=f"pi_door_{i}"))
+    url = stack.url(shop)
+
+    def post(body: bytes, headers: dict[str, str], target: str = url) -> int:
+        return httpx.post(target, content=body, headers=headers, timeout=10).status_code
+
+    def bad_requests() -> list[tuple[int, int]]:
+        e = StandardEvent(merchant_reference="door-0", gateway_order_id="pi_door_0")
+        body = e.body()
+        signed = e.headers(shop.secret, body)
+        stale = StandardEvent(timestamp=int(time.time()) - 3600)
+        wrong = e.headers("whsec_" + "A" * 43 + "=", body)
+        huge = b"{" + b" " * (300 * 1024) + b"}"
+        return [
+            (post(body, {}), 400),
+            (post(body, {k: v for k, v in signed.items() if k != "webhook-signature"}), 400),
+            (post(body, signed | {"webhook-timestamp": "yesterday"}), 400),
+            (post(stale.body(), stale.headers(shop.secret)), 401),
+            (post(body, wrong), 401),
+            (post(body.replace(b"1999", b"1"), signed), 401),
+            (post(huge, e.headers(shop.secret, huge)), 413),
+            (
+                post(
+                    body,
+                    signed,
+                    url.replace(shop.endpoint_id, "00000000-0000-4000-8000-000000000000"),
+                ),
+                404,
+            ),
+        ]
+
+    with ThreadPoolExecutor(8) as pool:
+        good_results = pool.map(lambda e: send(url, e, shop.secret), good)
+        bad_results = [r for _ in range(5) for r in bad_requests()]
+        assert list(good_results) == [202] * 10
+    assert [got for got, _ in bad_results] == [want for _, want in bad_results]
+    stack.settle(timeout=30)
+    assert tenant_counts(stack, shop) == {
+        "receipts": 10,
+        "transitions": 10,
+        "outbox": 10,
+        "exceptions": 0,
+        "anomalies": 0,
+    }
+
+
+def test_redis_killed_under_load_loses_no_acknowledged_event(stack: Stack) -> None:
+    """Redis runs with appendfsync always: what the ingress acknowledged survives a SIGKILL."""
+    shop = stack.shop()
+    events = []
+    for i in range(150):
+        stack.order(shop, f"aof-{i}", f"pi_aof_{i}")
+        events.append(StandardEvent(merchant_reference=f"aof-{i}", gateway_order_id=f"pi_aof_{i}"))
+    acknowledged: list[StandardEvent] = []
+    refused = Counter[int]()
+
+    def gateway(batch: list[StandardEvent]) -> None:
+        for event in batch:
+            status = send(stack.url(shop, len(acknowledged) % 2), event, shop.secret)
+            refused[status] += status != 202
+            if status != 202:  # a gateway retries what was not acknowledged
+                status = send(stack.url(shop), event, shop.secret, until_2xx=True)
+            if status == 202:
+                acknowledged.append(event)
+            time.sleep(0.01)
+
+    with stack.supervised():
+        senders = [threading.Thread(target=gateway, args=(events[i::3],)) for i in range(3)]
+        for t in senders:
+            t.start()
+        time.sleep(0.8)
+        stack.redis.kill(signal.SIGKILL)
+        time.sleep(1.0)
+        stack.redis.start()
+        for t in senders:
+            t.join(timeout=120)
+        took = stack.settle(timeout=180)
+    print(
+        f"redis kill: {len(acknowledged)} acknowledged, refused while down {dict(refused)}, "
+        f"settled in {took:.1f}s"
+    )
+    assert len(acknowledged) == len(events)
+    assert refused[503] + refused[0] > 0, "Redis was down during the load"
+    ids = {e.event_id for e in acknowledged}
+    with stack.db() as conn:
+        rows = conn.execute(
+            "SELECT event_id, outcome FROM payhook.payment_event_receipts WHERE tenant_id = %s",
+            (shop.tenant_id,),
+        ).fetchall()
+    assert {r["event_id"] for r in rows} == ids
+    assert Counter(r["outcome"] for r in rows) == {"applied": len(ids)}
+
+
+def test_chaos_every_acknowledged_event_has_exactly_one_effect(stack: Stack) -> None:
+    """300 events, each also redelivered twice at random moments, while consumers and the
+    outbox worker are SIGKILLed and restarted at random and PostgreSQL restarts once."""
+    rng = random.Random(20261130)
+    shop = stack.shop()
+    events = []
+    for i in range(300):
+        stack.order(shop, f"chaos-{i}", f"pi_chaos_{i}")
+        events.append(
+            StandardEvent(merchant_reference=f"chaos-{i}", gateway_order_id=f"pi_chaos_{i}")
+        )
+    deliveries = [e for e in events for _ in range(3)]
+    rng.shuffle(deliveries)
+    acknowledged: set[str] = set()
+    lock = threading.Lock()
+    stop_chaos = threading.Event()
+    kills = Counter[str]()
+
+    def gateway(batch: list[StandardEvent]) -> None:
+        for n, event in enumerate(batch):
+            status = send(stack.url(shop, n % 2), event, shop.secret, until_2xx=True)
+            if status == 202:
+                with lock:
+                    acknowledged.add(event.event_id)
+            time.sleep(0.02)
+
+    def chaos() -> None:
+        restarted_pg = False
+        started = time.monotonic()
+        while not stop_chaos.wait(rng.uniform(1.5, 3.0)):
+            victims = stack.alive(stack.consumers) + stack.alive(stack.outbox)
+            if victims:
+                victim = rng.choice(victims)
+                kills["outbox" if victim in stack.outbox else "consumer"] += 1
+                victim.send_signal(signal.SIGKILL)
+            if not restarted_pg and time.monotonic() - started > 4:
+                stack.pg.stop("immediate")
+                time.sleep(1.0)
+                stack.pg.start()
+                restarted_pg = True
+                kills["postgres"] += 1
+
+    with stack.supervised():
+        senders = [threading.Thread(target=gateway, args=(deliveries[i::4],)) for i in range(4)]
+        agent = threading.Thread(target=chaos)
+        agent.start()
+        for t in senders:
+            t.start()
+        for t in senders:
+            t.join(timeout=300)
+        stop_chaos.set()
+        agent.join()
+        took = stack.settle(timeout=240)
+    wait_until(
+        lambda: len({k for k in stack.receiver.keys() if k.startswith(shop.tenant_id)}) >= 300,
+        60,
+        "every fulfilment at the receiver",
+    )
+    keys = [k for k in stack.receiver.keys() if k.startswith(shop.tenant_id)]
+    counts = tenant_counts(stack, shop)
+    per_order = stack.count(
+        "SELECT count(*) AS n FROM (SELECT order_id FROM payhook.payment_order_transitions"
+        " WHERE tenant_id = %(t)s GROUP BY order_id HAVING count(*) = 1) once",
+        {"t": shop.tenant_id},
+    )
+    print(
+        f"chaos: kills {dict(kills)}; acknowledged {len(acknowledged)} events "
+        f"({len(deliveries)} deliveries); receipts {counts['receipts']}, "
+        f"transitions {counts['transitions']}, outbox {counts['outbox']}, "
+        f"receiver requests {len(keys)}, distinct keys {len(set(keys))}; settled in {took:.1f}s"
+    )
+    assert kills["postgres"] == 1 and kills["consumer"] > 0
+    assert len(acknowledged) == 300
+    assert counts["receipts"] == 300
+    assert counts["transitions"] == 300 and per_order == 300
+    assert counts["outbox"] == 300
+    assert len(set(keys)) == counts["outbox"]
+    assert set(keys) == {fulfil_key(shop, e) for e in events}
+    assert counts["exceptions"] == 0 and counts["anomalies"] == 0
+    assert stack.failed_jobs() == 0
