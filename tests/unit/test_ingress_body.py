@@ -1,0 +1,51 @@
+"""The body is read up to the limit and not one chunk further."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from starlette.requests import Request
+from starlette.types import Message
+
+from ingress.body import BodyTooLarge, read_body
+
+CHUNK = 64 * 1024
+
+
+class Sender:
+    """An ASGI receive callable streaming `chunks` chunks (forever when None)."""
+
+    def __init__(self, chunks: int | None) -> None:
+        self.chunks = chunks
+        self.calls = 0
+
+    async def __call__(self) -> Message:
+        self.calls += 1
+        more = self.chunks is None or self.calls < self.chunks
+        return {"type": "http.request", "body": b"x" * CHUNK, "more_body": more}
+
+
+def request(receive: Sender, headers: dict[str, str] | None = None) -> Request:
+    raw = [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
+    return Request({"type": "http", "method": "POST", "headers": raw}, receive)
+
+
+def test_endless_stream_is_abandoned_at_the_first_chunk_over_the_limit() -> None:
+    receive = Sender(chunks=None)
+    with pytest.raises(BodyTooLarge):
+        asyncio.run(read_body(request(receive), limit=4 * CHUNK))
+    assert receive.calls == 5
+
+
+def test_declared_length_over_the_limit_reads_nothing() -> None:
+    receive = Sender(chunks=None)
+    with pytest.raises(BodyTooLarge):
+        asyncio.run(read_body(request(receive, {"content-length": str(10**9)}), limit=CHUNK))
+    assert receive.calls == 0
+
+
+def test_body_of_exactly_the_limit_is_read_whole() -> None:
+    receive = Sender(chunks=3)
+    body = asyncio.run(read_body(request(receive), limit=3 * CHUNK))
+    assert body == b"x" * 3 * CHUNK

@@ -1,0 +1,33 @@
+"""Ingress settings fail at start with the variable's name; tolerances cover every gateway."""
+
+from __future__ import annotations
+
+import pytest
+
+from ingress.config import DEFAULT_RETRY_AFTER, IngressConfig
+from ingress.routes import TOLERANCES
+from payhook.errors import SettingsError
+from payhook.gateways import GATEWAYS
+from payhook.settings import Settings
+
+
+def config(**env: str) -> IngressConfig:
+    return IngressConfig.from_settings(Settings.from_env(env))
+
+
+def test_retry_after_defaults_and_reads_durations() -> None:
+    assert config().retry_after == DEFAULT_RETRY_AFTER
+    assert config(PAYHOOK_INGRESS_RETRY_AFTER="30s").retry_after == 30
+    assert config(PAYHOOK_INGRESS_RETRY_AFTER="1m").retry_after == 60
+    assert config(PAYHOOK_INGRESS_RETRY_AFTER="1500ms").retry_after == 2
+
+
+@pytest.mark.parametrize("raw", ["soon", "0", "-5s", ""])
+def test_bad_retry_after_names_the_variable(raw: str) -> None:
+    with pytest.raises(SettingsError, match="PAYHOOK_INGRESS_RETRY_AFTER"):
+        config(PAYHOOK_INGRESS_RETRY_AFTER=raw)
+
+
+def test_every_gateway_has_a_timestamp_tolerance() -> None:
+    assert set(TOLERANCES) == set(GATEWAYS)
+    assert all(0 < seconds <= 600 for seconds in TOLERANCES.values())

@@ -1,0 +1,64 @@
+"""The endpoint cache: last good copy on failure, secrets never shown."""
+
+from __future__ import annotations
+
+import asyncio
+
+import psycopg
+
+from ingress.endpoints import Endpoint, EndpointCache, Refresher
+
+ONE = Endpoint("e1", "t1", "standard", ("whsec_c2VjcmV0",))
+TWO = Endpoint("e2", "t2", "stripe", ("whsec_stripe",))
+
+
+class Loader:
+    def __init__(self, *results: list[Endpoint] | Exception) -> None:
+        self.results = list(results)
+        self.calls = 0
+
+    async def __call__(self) -> list[Endpoint]:
+        self.calls += 1
+        result = self.results.pop(0) if len(self.results) > 1 else self.results[0]
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+
+def test_cache_is_not_loaded_until_a_refresh_succeeds() -> None:
+    cache = EndpointCache()
+    refresher = Refresher(cache, Loader(psycopg.OperationalError("down"), [ONE]), 1.0)
+    assert not asyncio.run(refresher.refresh())
+    assert not cache.loaded and cache.get("e1") is None and cache.age() is None
+    assert asyncio.run(refresher.refresh())
+    assert cache.loaded and cache.get("e1") == ONE
+
+
+def test_failed_refresh_keeps_the_last_good_copy() -> None:
+    cache = EndpointCache()
+    results: list[bool] = []
+    loader = Loader([ONE, TWO], OSError("connection refused"), TimeoutError(), [TWO])
+    refresher = Refresher(cache, loader, 1.0, on_result=results.append)
+    for _ in range(3):
+        asyncio.run(refresher.refresh())
+        assert cache.get("e1") == ONE and cache.get("e2") == TWO
+    asyncio.run(refresher.refresh())
+    assert cache.get("e1") is None and cache.get("e2") == TWO
+    assert results == [True, False, False, True]
+
+
+def test_run_refreshes_every_interval_until_cancelled() -> None:
+    loader = Loader([ONE])
+
+    async def scenario() -> None:
+        task = asyncio.create_task(Refresher(EndpointCache(), loader, 0.001).run())
+        while loader.calls < 3:
+            await asyncio.sleep(0.001)
+        task.cancel()
+
+    asyncio.run(asyncio.wait_for(scenario(), timeout=10))
+    assert loader.calls >= 3
+
+
+def test_secrets_never_appear_in_a_repr() -> None:
+    assert "whsec" not in repr(ONE) and "e1" in repr(ONE)

@@ -1,0 +1,131 @@
+"""The event job the ingress writes is the one `enqueue_event` writes."""
+
+from __future__ import annotations
+
+import uuid
+import zlib
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+from redis.connection import Connection
+from rq import Queue
+
+from ingress import jobs
+from ingress.jobs import (
+    REPLAY_SCRIPT,
+    JobFormatChanged,
+    JobTemplate,
+    pack_command,
+    pack_commands,
+    pack_jobs,
+    record_commands,
+)
+from payhook.envelope import Envelope
+from payhook.settings import Settings
+
+SETTINGS = Settings.from_env({"PAYHOOK_QUEUE": "unit-events", "PAYHOOK_JOB_TIMEOUT": "45"})
+
+
+def envelope(body: bytes = b'{"type": "payment.succeeded"}') -> Envelope:
+    return Envelope(
+        endpoint_id=str(uuid.uuid4()),
+        body=body,
+        headers={"webhook-id": "msg_1", "webhook-timestamp": "1", "webhook-signature": "v1,x"},
+        received_at=datetime.now(UTC),
+        delivery_id=str(uuid.uuid4()),
+    )
+
+
+def decompressed(commands: list[list[bytes]]) -> list[list[bytes]]:
+    """The commands with the job's call data decompressed: what a worker reads."""
+    out = []
+    for command in commands:
+        args = list(command)
+        if args[0] == b"HSET" and b"data" in args[2::2]:
+            index = args.index(b"data", 2) + 1
+            args[index] = zlib.decompress(args[index])
+        out.append(args)
+    return out
+
+
+def times(commands: list[list[bytes]]) -> dict[bytes, bytes]:
+    mapping = commands[2][2:]
+    fields = dict(zip(mapping[::2], mapping[1::2], strict=True))
+    return {name: fields[name] for name in (b"created_at", b"enqueued_at")}
+
+
+def test_template_renders_the_commands_enqueue_event_sends() -> None:
+    template = JobTemplate.from_rq(SETTINGS)
+    event = envelope(b'{"id": "evt_1", "amount": 1999}' * 20)
+    recorded = record_commands(SETTINGS, event)
+    rendered = template.render(event, times(recorded))
+    assert decompressed(rendered) == decompressed(recorded)
+    # The job names its id, the queue and the retry policy of payhook.queue.
+    flat = b" ".join(arg for command in recorded for arg in command)
+    assert event.delivery_id.encode() in flat
+    assert b"rq:queue:unit-events" in flat
+    assert str(list(SETTINGS.job_retry_intervals)).encode() in flat
+    assert template.queue_key == b"rq:queue:unit-events"
+
+
+def test_packed_job_is_what_redis_py_would_send() -> None:
+    template = JobTemplate.from_rq(SETTINGS)
+    event = envelope()
+    stamps = {b"created_at": b"2026-01-01T00:00:00.000000Z"} | {
+        b"enqueued_at": b"2026-01-01T00:00:00.000001Z"
+    }
+    commands = template.render(event, stamps)
+    packed = template.pack(event, stamps)
+    assert packed == pack_commands(commands)
+    args: list[Any] = [b"EVAL", REPLAY_SCRIPT, b"0"]
+    for command in commands:
+        args += [str(len(command)).encode(), *command]
+    expected = b"".join(Connection().pack_command(*args))
+    assert pack_jobs([packed]) == expected == pack_command(args)
+
+
+def test_one_eval_carries_every_job_of_a_batch() -> None:
+    first, second = pack_commands([[b"SET", b"a", b"1"]]), pack_commands([[b"RPUSH", b"q", b"x"]])
+    expected = pack_command(
+        [b"EVAL", REPLAY_SCRIPT, b"0", b"3", b"SET", b"a", b"1", b"3", b"RPUSH", b"q", b"x"]
+    )
+    assert pack_jobs([first, second]) == expected
+
+
+def test_each_job_gets_its_own_id_and_data() -> None:
+    template = JobTemplate.from_rq(SETTINGS)
+    one, two = envelope(b"one"), envelope(b"two")
+    assert template.packed(one).argv != template.packed(two).argv
+    assert one.delivery_id.encode() in template.packed(one).argv
+    assert two.delivery_id.encode() not in template.packed(one).argv
+
+
+def test_a_job_format_with_other_per_job_values_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """If RQ wrote a value the template does not fill in, the ingress must not start."""
+
+    def enqueue_with_nonce(queue: Queue, event: Envelope, settings: Settings) -> Any:
+        return queue.enqueue(
+            "consumer.jobs.apply_event",
+            event.to_json(),
+            job_id=event.delivery_id,
+            meta={"nonce": uuid.uuid4().hex},
+        )
+
+    monkeypatch.setattr(jobs, "enqueue_event", enqueue_with_nonce)
+    with pytest.raises(JobFormatChanged):
+        JobTemplate.from_rq(SETTINGS)
+
+
+def test_recording_connection_refuses_commands_outside_a_pipeline() -> None:
+    with pytest.raises(JobFormatChanged):
+        jobs._RecordingRedis().get("anything")
+
+
+def test_recording_needs_no_redis() -> None:
+    """The URL points nowhere: recording sends nothing."""
+    nowhere = Settings.from_env({"REDIS_URL": "redis://192.0.2.1:1/0"})
+    commands = record_commands(nowhere, envelope())
+    assert [command[0] for command in commands] == [b"SADD", b"HSET", b"HSET", b"RPUSH"]
