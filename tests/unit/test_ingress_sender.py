@@ -1,0 +1,101 @@
+"""`payhook send` signs what a gateway would send, as the gateways' own libraries check it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+import stripe as stripe_sdk
+from standardwebhooks.webhooks import Webhook
+
+from payhook.gateways import get_gateway, standard
+from payhook.gateways import stripe as stripe_gateway
+from payhook.sender import Event, send_copies, sign_event
+
+STANDARD_SECRET = standard.generate_secret()
+STRIPE_SECRET = stripe_gateway.generate_secret()
+
+
+def test_standard_event_verifies_with_the_standardwebhooks_library() -> None:
+    event = Event("standard", "payment.succeeded", "pi_9", 2500, "eur", "order-9", "msg_fixed")
+    request = sign_event(event, STANDARD_SECRET)
+    payload = Webhook(STANDARD_SECRET).verify(request.body, request.headers)
+    assert payload["data"] == {
+        "gateway_order_id": "pi_9",
+        "merchant_reference": "order-9",
+        "amount": 2500,
+        "currency": "EUR",
+    }
+    parsed = get_gateway("standard").parse(request.headers, request.body)
+    assert (parsed.event_id, parsed.kind, parsed.amount_minor) == ("msg_fixed", "succeeded", 2500)
+
+
+@pytest.mark.parametrize(
+    ("event_type", "kind"),
+    [
+        ("payment_intent.succeeded", "succeeded"),
+        ("payment_intent.payment_failed", "failed"),
+        ("charge.refunded", "refunded"),
+        ("charge.dispute.created", "disputed"),
+    ],
+)
+def test_stripe_events_verify_with_the_stripe_library(event_type: str, kind: str) -> None:
+    event = Event("stripe", event_type, "pi_42", 1999, "EUR", "order-42")
+    request = sign_event(event, STRIPE_SECRET)
+    header = request.headers["stripe-signature"]
+    constructed = stripe_sdk.Webhook.construct_event(request.body, header, STRIPE_SECRET)
+    assert constructed["type"] == event_type
+    parsed = get_gateway("stripe").parse(request.headers, request.body)
+    assert parsed.event_id == request.event_id == constructed["id"]
+    assert (parsed.kind, parsed.gateway_order_id) == (kind, "pi_42")
+    assert (parsed.merchant_reference, parsed.amount_minor, parsed.currency) == (
+        "order-42",
+        1999,
+        "EUR",
+    )
+
+
+def test_copies_send_the_same_signed_bytes(capsys: pytest.CaptureFixture[str]) -> None:
+    seen: list[tuple[bytes, dict[str, str]]] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen.append((request.content, dict(request.headers)))
+        return httpx.Response(202, json={"delivery_id": f"d{len(seen)}"})
+
+    event = Event("standard", "payment.succeeded", "pi_1", 100, "EUR", event_id="msg_storm")
+    signed = sign_event(event, STANDARD_SECRET, timestamp=int(time.time()))
+    results = asyncio.run(
+        send_copies("http://ingress/webhooks/x", signed, 5, 2, httpx.MockTransport(answer))
+    )
+    assert len(seen) == 5 and len({body for body, _ in seen}) == 1
+    assert {headers["webhook-id"] for _, headers in seen} == {"msg_storm"}
+    assert sorted(result["copy"] for result in results) == [1, 2, 3, 4, 5]
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert {line["status"] for line in lines} == {202} and len(lines) == 5
+
+
+def test_refusals_and_connection_errors_are_reported_per_copy(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.headers["webhook-id"] == "msg_down":
+            raise httpx.ConnectError("refused")
+        return httpx.Response(503, json={"error": "unavailable"}, headers={"retry-after": "5"})
+
+    for event_id in ("msg_refused", "msg_down"):
+        event = Event("standard", "payment.succeeded", "pi_1", 100, "EUR", event_id=event_id)
+        asyncio.run(
+            send_copies(
+                "http://ingress/webhooks/x",
+                sign_event(event, STANDARD_SECRET),
+                1,
+                1,
+                httpx.MockTransport(answer),
+            )
+        )
+    refused, down = (json.loads(line) for line in capsys.readouterr().out.splitlines())
+    assert refused["status"] == 503 and refused["retry_after"] == "5"
+    assert "ConnectError" in down["error"] and "status" not in down
