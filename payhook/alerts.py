@@ -195,8 +195,9 @@ class AlertCollector(Collector):
 
 
 def _duration(seconds: float) -> str:
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= size and seconds % size == 0:
+    """`24h`, `2d`, `15m`, `90s`: days only from two days on."""
+    for unit, size, least in (("d", 86400, 2), ("h", 3600, 1), ("m", 60, 1)):
+        if seconds >= least * size and seconds % size == 0:
             return f"{int(seconds // size)}{unit}"
     return f"{seconds:g}s"
 

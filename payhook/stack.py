@@ -46,6 +46,7 @@ from payhook.admin import add_endpoint, add_order, add_tenant
 from payhook.dashboard import DashboardConfig
 from payhook.db import Row, connect, fetch_one
 from payhook.errors import PayhookError, SettingsError
+from payhook.logs import configure_logging
 from payhook.migrations import apply_migrations
 from payhook.settings import DEFAULT_DATABASE_URL, DEFAULT_REDIS_URL, Settings
 
@@ -96,6 +97,28 @@ class Output:
         with self.lock:
             self.stream.write(f"{name:<{self.width}}| {text}\n")
             self.stream.flush()
+
+
+class LineWriter:
+    """A text stream whose lines go to `Output` under a name: the supervisor's own logs."""
+
+    def __init__(self, out: Output, name: str = "up") -> None:
+        self.out = out
+        self.name = name
+        self.pending = ""
+
+    def write(self, text: str) -> int:
+        self.pending += text
+        *lines, self.pending = self.pending.split("\n")
+        for line in lines:
+            self.out.line(self.name, line)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return False
 
 
 class Child:
@@ -219,8 +242,9 @@ def run(
     stream: IO[str] = sys.stdout,
 ) -> int:
     """Run the stack until a signal or a child's death; 0 after a signal, 1 after a death."""
-    logging.getLogger("pgserver").setLevel(logging.WARNING)
     out = Output(stream)
+    configure_logging(settings.log_level, stream=LineWriter(out))  # type: ignore[arg-type]
+    logging.getLogger("pgserver").setLevel(logging.WARNING)
     stopping = Stopping()
     signal.signal(signal.SIGTERM, stopping)
     signal.signal(signal.SIGINT, stopping)

@@ -1,0 +1,167 @@
+"""Alert signals from PostgreSQL and Redis: `payhook check` and the Prometheus export."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import uuid
+
+import psycopg
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+from redis import Redis
+from rq.registry import FailedJobRegistry
+
+from consumer.transaction import Applied, Endpoint, apply_event
+from payhook import counters
+from payhook.alerts import (
+    SIGNALS,
+    AlertCollector,
+    AlertConfig,
+    AlertsUnavailable,
+    Signal,
+    read_signals,
+)
+from payhook.db import Row, connect
+from payhook.gateways import get_gateway
+from payhook.queue import events_queue
+from payhook.settings import Settings
+from tests.factories import Factory, Shop, StandardEvent
+from tests.processes import process_env
+
+
+def deliver(conn: psycopg.Connection[Row], shop: Shop, event: StandardEvent) -> Applied:
+    body = event.body()
+    parsed = get_gateway("standard").parse(event.headers(shop.secret, body), body)
+    endpoint = Endpoint(shop.endpoint_id, shop.tenant_id, "standard", (shop.secret,))
+    return apply_event(conn, endpoint, parsed, str(uuid.uuid4()))
+
+
+def check(settings: Settings, **extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "payhook.cli", "check"],
+        env=process_env(settings, **extra),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+
+
+def values(conn: psycopg.Connection[Row], redis: Redis, settings: Settings) -> dict[str, int]:
+    signals = read_signals(conn, redis, settings, AlertConfig.from_settings(settings))
+    return {s.name: s.value for s in signals}
+
+
+def test_check_exits_0_on_a_quiet_system_and_1_after_a_digest_conflict(
+    conn: psycopg.Connection[Row], factory: Factory, settings: Settings
+) -> None:
+    shop = factory.shop()
+    factory.order(shop)
+    event = StandardEvent()
+    assert deliver(conn, shop, event).outcome == "applied"
+    assert deliver(conn, shop, event).outcome == "duplicate"  # an honest redelivery
+
+    quiet = check(settings)
+    assert (quiet.returncode, quiet.stdout) == (0, ""), quiet.stderr
+
+    tampered = StandardEvent(event_id=event.event_id, amount=1)
+    assert deliver(conn, shop, tampered).outcome == "digest_conflict"
+    loud = check(settings)
+    assert loud.returncode == 1, loud.stderr
+    assert loud.stdout.splitlines() == [
+        "digest_conflicts 1 payload-digest conflicts in the last 24h"
+    ]
+
+
+def test_each_signal_counts_what_it_names(
+    conn: psycopg.Connection[Row], factory: Factory, settings: Settings, redis_conn: Redis
+) -> None:
+    assert values(conn, redis_conn, settings) == dict.fromkeys(SIGNALS, 0)
+    shop = factory.shop()
+    order_id = factory.order(shop)
+    assert deliver(conn, shop, StandardEvent()).outcome == "applied"
+    assert deliver(conn, shop, StandardEvent(merchant_reference="x", gateway_order_id="y")).outcome
+    second = factory.order(shop, "order-2", "pi_2")
+    paid_second = StandardEvent(merchant_reference="order-2", gateway_order_id="pi_2")
+    assert deliver(conn, shop, paid_second).outcome == "applied"
+    # One outbox row written 10 minutes ago (past the 5 minute SLA), the other dead.
+    conn.execute(
+        "UPDATE payhook.payment_outbox SET created_at = now() - interval '10 minutes'"
+        " WHERE order_id = %s",
+        (order_id,),
+    )
+    conn.execute("UPDATE payhook.payment_outbox SET state = 'dead' WHERE order_id = %s", (second,))
+    counters.record(redis_conn, counters.SERIALIZATION_RETRIES, 20)
+    queue = events_queue(redis_conn, settings)
+    job = queue.enqueue("consumer.jobs.apply_event", {"v": 1})
+    FailedJobRegistry(queue=queue).add(job, ttl=600, exc_string="boom")
+
+    got = values(conn, redis_conn, settings)
+    assert got == {
+        "digest_conflicts": 0,
+        "unmapped_events": 1,
+        "serialization_retries": 20,
+        "outbox_overdue": 1,
+        "outbox_dead": 1,
+        "dead_letter_jobs": 1,
+    }
+    signals = read_signals(conn, redis_conn, settings, AlertConfig.from_settings(settings))
+    active = {s.name for s in signals if s.active}
+    # 20 retries is the threshold, not above it.
+    assert active == {"unmapped_events", "outbox_overdue", "outbox_dead", "dead_letter_jobs"}
+    counters.record(redis_conn, counters.SERIALIZATION_RETRIES, 1)
+    signals = read_signals(conn, redis_conn, settings, AlertConfig.from_settings(settings))
+    assert "serialization_retries" in {s.name for s in signals if s.active}
+
+    loud = check(settings)
+    assert loud.returncode == 1
+    assert [line.split()[0] for line in loud.stdout.splitlines()] == [
+        "unmapped_events",
+        "serialization_retries",
+        "outbox_overdue",
+        "outbox_dead",
+        "dead_letter_jobs",
+    ]
+
+
+def test_prometheus_export_carries_the_same_signals(
+    conn: psycopg.Connection[Row], factory: Factory, settings: Settings, redis_conn: Redis
+) -> None:
+    shop = factory.shop()
+    assert deliver(conn, shop, StandardEvent()).outcome == "unmapped_order"
+    config = AlertConfig.from_settings(settings)
+
+    def read() -> list[Signal]:
+        with connect(settings, "test") as own:
+            return read_signals(own, redis_conn, settings, config)
+
+    registry = CollectorRegistry()
+    registry.register(AlertCollector(read))
+    samples = {
+        (s.name, s.labels.get("alert")): s.value
+        for family in text_string_to_metric_families(generate_latest(registry).decode())
+        for s in family.samples
+    }
+    assert samples[("payhook_alerts_up", None)] == 1
+    for name, value in values(conn, redis_conn, settings).items():
+        assert samples[("payhook_alert_value", name)] == value
+    assert samples[("payhook_alert_value", "unmapped_events")] == 1
+    assert samples[("payhook_alert_threshold", "serialization_retries")] == 20
+
+    def broken() -> list[Signal]:
+        raise AlertsUnavailable("Redis: down")
+
+    failing = CollectorRegistry()
+    failing.register(AlertCollector(broken))
+    text = generate_latest(failing).decode()
+    assert "payhook_alerts_up 0.0" in text and "payhook_alert_value" not in text
+
+
+def test_check_fails_loudly_when_redis_does_not_answer(settings: Settings) -> None:
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        port = unused.getsockname()[1]
+    failed = check(settings, REDIS_URL=f"redis://127.0.0.1:{port}/0")
+    assert failed.returncode == 2
+    assert "Redis" in failed.stderr

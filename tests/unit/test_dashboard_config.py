@@ -1,0 +1,49 @@
+"""Where the dashboard listens and with which credentials: no I/O."""
+
+from __future__ import annotations
+
+import pytest
+
+from payhook.dashboard import DashboardConfig, is_loopback
+from payhook.errors import SettingsError
+from payhook.settings import Settings
+
+
+def config(**env: str) -> DashboardConfig:
+    return DashboardConfig.from_settings(Settings.from_env(env))
+
+
+def test_it_listens_on_loopback_unless_told_otherwise() -> None:
+    bound = config().bound(None, None)
+    assert (bound.host, bound.port, bound.user, bound.password) == (
+        "127.0.0.1",
+        9181,
+        "payhook",
+        None,
+    )
+
+
+def test_another_address_needs_a_password() -> None:
+    for host in ("0.0.0.0", "::", "192.0.2.10", "dashboard.internal"):
+        with pytest.raises(SettingsError, match="PAYHOOK_DASHBOARD_PASSWORD"):
+            config().bound(host, None)
+        with pytest.raises(SettingsError, match="PAYHOOK_DASHBOARD_PASSWORD"):
+            config(PAYHOOK_DASHBOARD_HOST=host).bound(None, None)
+    bound = config(PAYHOOK_DASHBOARD_PASSWORD="s3cret").bound("0.0.0.0", 9000)
+    assert (bound.host, bound.port) == ("0.0.0.0", 9000)
+
+
+def test_the_password_never_shows_in_a_repr() -> None:
+    assert "s3cret" not in repr(config(PAYHOOK_DASHBOARD_PASSWORD="s3cret"))
+
+
+def test_bad_settings_name_themselves() -> None:
+    with pytest.raises(SettingsError, match="PAYHOOK_DASHBOARD_USER"):
+        config(PAYHOOK_DASHBOARD_USER="a:b")
+    with pytest.raises(SettingsError, match="PAYHOOK_DASHBOARD_PORT"):
+        config(PAYHOOK_DASHBOARD_PORT="http")
+
+
+def test_loopback_addresses() -> None:
+    assert all(map(is_loopback, ["127.0.0.1", "127.1.2.3", "::1", "[::1]", "localhost"]))
+    assert not any(map(is_loopback, ["0.0.0.0", "::", "10.0.0.1", "example.com"]))
