@@ -1,0 +1,426 @@
+"""The ingress's HTTP contract against real PostgreSQL and Redis, app in process.
+
+Jobs the ingress writes are run by the consumer's real RQ worker, so "queued"
+here means "a worker applies it".
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import uuid
+import zlib
+from collections.abc import AsyncIterable, AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import psycopg
+import pytest
+from redis import Redis
+from rq.job import Job
+from rq.serializers import JSONSerializer
+from starlette.applications import Starlette
+from structlog.testing import capture_logs
+
+from consumer.handler import Runtime
+from consumer.jobs import install_runtime
+from consumer.main import build_worker
+from ingress.app import Ingress, create_app
+from ingress.endpoints import Endpoint, PostgresEndpoints
+from payhook.db import create_pool
+from payhook.envelope import Envelope
+from payhook.queue import APPLY_EVENT, enqueue_event, events_queue
+from payhook.settings import Settings
+from tests.conftest import REDIS_TEST_URL, test_settings
+from tests.factories import Factory, StandardEvent, stripe_body, stripe_headers
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@dataclass
+class Harness:
+    app: Starlette
+    client: httpx.AsyncClient
+    settings: Settings
+    redis: Redis
+
+    @property
+    def ingress(self) -> Ingress:
+        ingress: Ingress = self.app.state.ingress
+        return ingress
+
+    async def post(
+        self, endpoint_id: str, body: bytes | AsyncIterable[bytes], headers: dict[str, str]
+    ) -> httpx.Response:
+        return await self.client.post(f"/webhooks/{endpoint_id}", content=body, headers=headers)
+
+    def jobs(self) -> list[Job]:
+        ids = self.redis.lrange(f"rq:queue:{self.settings.queue}", 0, -1)
+        return [Job.fetch(i.decode(), self.redis, serializer=JSONSerializer) for i in ids]
+
+
+@asynccontextmanager
+async def running(settings: Settings, **options: Any) -> AsyncIterator[Harness]:
+    app = create_app(settings, **options)
+    transport = httpx.ASGITransport(app=app)
+    redis = Redis.from_url(REDIS_TEST_URL)
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(transport=transport, base_url="http://ingress") as client,
+    ):
+        yield Harness(app, client, settings, redis)
+    redis.close()
+
+
+@pytest.fixture
+def ingress_settings(database: str, redis_conn: Redis) -> Settings:
+    # Refreshes happen when a test asks for them, never on a timer.
+    return test_settings(database, PAYHOOK_ENDPOINT_REFRESH="1h")
+
+
+@pytest.fixture
+async def harness(ingress_settings: Settings, factory: Factory) -> AsyncIterator[Harness]:
+    async with running(ingress_settings) as harness:
+        yield harness
+
+
+def drain(settings: Settings) -> list[dict[str, Any]]:
+    """Run the consumer's RQ worker in burst mode; the results of the jobs it ran."""
+    pool = create_pool(settings, "test", size=2)
+    pool.open(wait=True)
+    install_runtime(Runtime(settings=settings, pool=pool))
+    redis = Redis.from_url(settings.redis_url)
+    try:
+        ids = [i.decode() for i in redis.lrange(f"rq:queue:{settings.queue}", 0, -1)]
+        build_worker(settings).work(burst=True, with_scheduler=False, logging_level="WARNING")
+        jobs = [Job.fetch(i, redis, serializer=JSONSerializer) for i in ids]
+        return [job.return_value() for job in jobs]
+    finally:
+        install_runtime(None)
+        pool.close()
+        redis.close()
+
+
+def spare_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+async def refresh(harness: Harness) -> bool:
+    return await harness.ingress.refresher.refresh()
+
+
+# -- accepted events -----------------------------------------------------------------
+
+
+async def test_accepted_event_is_queued_as_the_consumers_envelope_and_applied(
+    harness: Harness, factory: Factory
+) -> None:
+    shop = factory.shop()
+    order_id = factory.order(shop)
+    await refresh(harness)
+    event = StandardEvent()
+    body = event.body()
+    headers = event.headers(shop.secret, body) | {"x-forwarded-for": "203.0.113.9"}
+
+    response = await harness.post(shop.endpoint_id, body, headers)
+
+    assert response.status_code == 202
+    delivery_id = response.json()["delivery_id"]
+    [job] = harness.jobs()
+    assert job.id == delivery_id and job.func_name == APPLY_EVENT
+    assert job.retries_left == len(harness.settings.job_retry_intervals)
+    envelope = Envelope.from_json(job.args[0])
+    assert envelope.body == body
+    assert envelope.endpoint_id == shop.endpoint_id and envelope.delivery_id == delivery_id
+    # Only the signature headers travel, lower-case, so the consumer can re-verify.
+    assert dict(envelope.headers) == {k: v for k, v in headers.items() if k.startswith("webhook-")}
+
+    assert drain(harness.settings) == [{"outcome": "applied", "order_id": order_id, "retries": 0}]
+    assert factory.order_state(shop, order_id) == "paid"
+
+
+async def test_stripe_event_is_queued_and_applied(harness: Harness, factory: Factory) -> None:
+    shop = factory.shop("stripe")
+    order_id = factory.order(shop)
+    await refresh(harness)
+    body = stripe_body()
+
+    response = await harness.post(shop.endpoint_id, body, stripe_headers(shop.secret, body))
+
+    assert response.status_code == 202
+    [result] = drain(harness.settings)
+    assert result["outcome"] == "applied"
+    assert factory.order_state(shop, order_id) == "paid"
+
+
+async def test_job_in_redis_is_the_one_enqueue_event_writes(
+    harness: Harness, factory: Factory
+) -> None:
+    """Field by field, against RQ's own enqueue of the same envelope."""
+    shop = factory.shop()
+    await refresh(harness)
+    event = StandardEvent()
+    body = event.body()
+    response = await harness.post(shop.endpoint_id, body, event.headers(shop.secret, body))
+    [ours] = harness.jobs()
+    theirs = Envelope.from_json(ours.args[0])
+    twin = Envelope(
+        theirs.endpoint_id, theirs.body, theirs.headers, theirs.received_at, str(uuid.uuid4())
+    )
+    enqueue_event(events_queue(harness.redis, harness.settings), twin, harness.settings)
+
+    ingress_hash = harness.redis.hgetall(f"rq:job:{response.json()['delivery_id']}")
+    rq_hash = harness.redis.hgetall(f"rq:job:{twin.delivery_id}")
+    assert set(ingress_hash) == set(rq_hash)
+    differing = {k for k in rq_hash if rq_hash[k] != ingress_hash[k]}
+    assert differing <= {b"created_at", b"enqueued_at", b"description", b"data"}
+    ingress_call = json.loads(zlib.decompress(ingress_hash[b"data"]))
+    rq_call = json.loads(zlib.decompress(rq_hash[b"data"]))
+    rq_call[2][0]["delivery_id"] = theirs.delivery_id
+    assert ingress_call == rq_call
+    assert harness.redis.ttl(f"rq:job:{twin.delivery_id}") == harness.redis.ttl(
+        f"rq:job:{theirs.delivery_id}"
+    )
+    assert harness.redis.smembers("rq:queues") == {f"rq:queue:{harness.settings.queue}".encode()}
+
+
+# -- refused requests ----------------------------------------------------------------
+
+
+async def test_unknown_endpoints_are_404_and_never_reach_postgresql(
+    ingress_settings: Settings, factory: Factory
+) -> None:
+    """Random ids cost no query: the table is read once per interval, whatever is asked."""
+    reader = PostgresEndpoints(ingress_settings.database_url)
+    loads = 0
+
+    async def counting() -> list[Endpoint]:
+        nonlocal loads
+        loads += 1
+        return await reader()
+
+    factory.shop()
+    async with running(ingress_settings, load_endpoints=counting) as harness:
+        for _ in range(200):
+            response = await harness.post(str(uuid.uuid4()), b"{}", {})
+            assert response.status_code == 404
+            assert response.json() == {"error": "not_found"}
+        for junk in ("not-a-uuid", "1" * 300):
+            assert (await harness.post(junk, b"{}", {})).status_code == 404
+    await reader.close()
+    assert loads == 1
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {},
+        {"webhook-id": "msg_1", "webhook-timestamp": "1700000000"},
+        {"webhook-id": "msg_1", "webhook-timestamp": "soon", "webhook-signature": "v1,AAAA"},
+        {"webhook-timestamp": "1700000000", "webhook-signature": "v1,AAAA"},
+    ],
+)
+async def test_missing_or_malformed_signature_headers_are_400(
+    harness: Harness, factory: Factory, headers: dict[str, str]
+) -> None:
+    shop = factory.shop()
+    await refresh(harness)
+    response = await harness.post(shop.endpoint_id, StandardEvent().body(), headers)
+    assert response.status_code == 400
+    assert response.json() == {"error": "bad_request"}
+    assert harness.jobs() == []
+
+
+async def test_body_over_the_limit_is_413_declared_or_streamed(
+    database: str, redis_conn: Redis, factory: Factory
+) -> None:
+    shop = factory.shop()
+    settings = test_settings(database, PAYHOOK_MAX_BODY="2048")
+    event = StandardEvent(extra={"note": "x" * 1800})
+    body = event.body()
+    assert len(body) <= 2048
+    big = StandardEvent(extra={"note": "x" * 4000})
+
+    async def streamed() -> AsyncIterable[bytes]:
+        for _ in range(1000):
+            yield b"x" * 1024
+
+    async with running(settings) as harness:
+        declared = await harness.post(shop.endpoint_id, big.body(), big.headers(shop.secret))
+        chunked = await harness.post(shop.endpoint_id, streamed(), big.headers(shop.secret))
+        at_limit = await harness.post(shop.endpoint_id, body, event.headers(shop.secret, body))
+        assert [declared.status_code, chunked.status_code] == [413, 413]
+        assert declared.json() == {"error": "payload_too_large"}
+        assert declared.headers["connection"] == "close"
+        assert at_limit.status_code == 202
+        assert [job.id for job in harness.jobs()] == [at_limit.json()["delivery_id"]]
+
+
+# -- outages -------------------------------------------------------------------------
+
+
+async def test_unreachable_redis_is_503_with_retry_after(
+    database: str, redis_conn: Redis, factory: Factory
+) -> None:
+    shop = factory.shop()
+    nowhere = f"redis://127.0.0.1:{spare_port()}/0"
+    settings = test_settings(database, REDIS_URL=nowhere, PAYHOOK_ENQUEUE_TIMEOUT="1s")
+    async with running(settings) as harness:
+        for _ in range(3):
+            event = StandardEvent()
+            response = await harness.post(
+                shop.endpoint_id, event.body(), event.headers(shop.secret)
+            )
+            assert response.status_code == 503
+            assert response.headers["retry-after"] == "5"
+            assert response.json() == {"error": "unavailable"}
+        ready = await harness.client.get("/readyz")
+        assert ready.status_code == 503 and ready.json()["redis"] is False
+
+
+async def test_endpoints_never_loaded_are_503_not_404(
+    ingress_settings: Settings, factory: Factory
+) -> None:
+    shop = factory.shop()
+
+    async def down() -> list[Endpoint]:
+        raise psycopg.OperationalError("connection refused")
+
+    async with running(ingress_settings, load_endpoints=down) as harness:
+        event = StandardEvent()
+        response = await harness.post(shop.endpoint_id, event.body(), event.headers(shop.secret))
+        assert response.status_code == 503 and "retry-after" in response.headers
+        ready = await harness.client.get("/readyz")
+        assert ready.status_code == 503 and ready.json()["endpoints"] is False
+
+
+async def test_postgresql_outage_keeps_known_endpoints_accepting(
+    ingress_settings: Settings, factory: Factory
+) -> None:
+    """The last good copy serves; events queued meanwhile are applied once it is back."""
+    reader = PostgresEndpoints(ingress_settings.database_url)
+    up = True
+
+    async def switchable() -> list[Endpoint]:
+        if not up:
+            raise psycopg.OperationalError("connection refused")
+        return await reader()
+
+    shop = factory.shop()
+    order_id = factory.order(shop)
+    async with running(ingress_settings, load_endpoints=switchable) as harness:
+        up = False
+        assert not await refresh(harness)
+        late = factory.shop()  # created during the outage: unknown until it ends
+        event = StandardEvent()
+        accepted = await harness.post(shop.endpoint_id, event.body(), event.headers(shop.secret))
+        unknown = await harness.post(late.endpoint_id, event.body(), event.headers(late.secret))
+        assert (accepted.status_code, unknown.status_code) == (202, 404)
+        assert (await harness.client.get("/readyz")).status_code == 200
+
+        up = True
+        assert await refresh(harness)
+        second = StandardEvent()
+        again = await harness.post(late.endpoint_id, second.body(), second.headers(late.secret))
+        assert again.status_code == 202
+    await reader.close()
+    outcomes = [result["outcome"] for result in drain(ingress_settings)]
+    assert outcomes == ["applied", "unmapped_order"]
+    assert factory.order_state(shop, order_id) == "paid"
+
+
+# -- tenants -------------------------------------------------------------------------
+
+
+async def test_body_naming_another_tenant_changes_nothing_of_it(
+    harness: Harness, factory: Factory
+) -> None:
+    """Tenant A's endpoint receives a body naming B's tenant, order and references."""
+    a, b = factory.shop(), factory.shop()
+    b_order = factory.order(b, merchant_reference="b-order", gateway_order_id="pi_b")
+    await refresh(harness)
+    event = StandardEvent(
+        gateway_order_id="pi_b",
+        merchant_reference="b-order",
+        extra={"tenant_id": b.tenant_id, "endpoint_id": b.endpoint_id},
+    )
+    body = event.body()
+    response = await harness.post(a.endpoint_id, body, event.headers(a.secret, body))
+    assert response.status_code == 202
+    # Signed with B's secret but sent to A's endpoint: not authentic for A.
+    forged = StandardEvent(gateway_order_id="pi_b", merchant_reference="b-order")
+    refused = await harness.post(a.endpoint_id, forged.body(), forged.headers(b.secret))
+    assert refused.status_code == 401
+
+    assert [result["outcome"] for result in drain(harness.settings)] == ["unmapped_order"]
+    assert factory.order_state(b, b_order) == "pending"
+    assert factory.count("payment_event_receipts", tenant_id=b.tenant_id) == 0
+    assert factory.count("payment_order_transitions", tenant_id=b.tenant_id) == 0
+    assert factory.count("payment_outbox", tenant_id=b.tenant_id) == 0
+    assert factory.count("payment_event_receipts", tenant_id=a.tenant_id) == 1
+
+
+# -- observability -------------------------------------------------------------------
+
+
+async def test_one_log_line_per_request_without_payload_or_secret(
+    harness: Harness, factory: Factory
+) -> None:
+    shop = factory.shop()
+    await refresh(harness)
+    event = StandardEvent(merchant_reference="secret-order-ref")
+    body = event.body()
+    with capture_logs() as logs:
+        accepted = await harness.post(shop.endpoint_id, body, event.headers(shop.secret, body))
+        refused = await harness.post(shop.endpoint_id, body, event.headers("whsec_AAAA", body))
+    lines = [line for line in logs if line["event"] == "webhook_received"]
+    assert len(lines) == 2
+    ok, bad = lines
+    assert ok["status"] == 202 and bad["status"] == 401
+    assert ok["delivery_id"] == accepted.json()["delivery_id"]
+    assert ok["event_id"] == event.event_id
+    assert ok["endpoint_id"] == shop.endpoint_id and ok["tenant_id"] == shop.tenant_id
+    assert isinstance(ok["duration_ms"], float)
+    assert bad["reason"] == "signature_mismatch" and refused.json() == {"error": "unauthorized"}
+    text = json.dumps(logs, default=str)
+    assert shop.secret not in text and "secret-order-ref" not in text
+    assert (
+        body.decode() not in text
+        and event.headers(shop.secret, body)["webhook-signature"] not in text
+    )
+
+
+async def test_probes_and_metrics(harness: Harness, factory: Factory) -> None:
+    shop = factory.shop()
+    await refresh(harness)
+    event = StandardEvent()
+    await harness.post(shop.endpoint_id, event.body(), event.headers(shop.secret))
+    await harness.post(shop.endpoint_id, event.body(), event.headers("whsec_AAAA"))
+    await harness.post(str(uuid.uuid4()), b"{}", {})
+
+    assert (await harness.client.get("/healthz")).json() == {"status": "ok"}
+    ready = await harness.client.get("/readyz")
+    assert ready.status_code == 200
+    assert ready.json() == {"status": "ready", "redis": True, "endpoints": True}
+    metrics = (await harness.client.get("/metrics")).text
+    for sample in (
+        'payhook_ingress_requests_total{gateway="standard",status="202"} 1.0',
+        'payhook_ingress_requests_total{gateway="standard",status="401"} 1.0',
+        'payhook_ingress_requests_total{gateway="none",status="404"} 1.0',
+        'payhook_ingress_signature_failures_total{gateway="standard",reason="signature_mismatch"}'
+        " 1.0",
+        "payhook_ingress_enqueue_seconds_count 1.0",
+        "payhook_ingress_queue_depth 1.0",
+        "payhook_ingress_endpoints 1.0",
+        'payhook_ingress_endpoint_refreshes_total{result="ok"} 2.0',
+    ):
+        assert sample in metrics
