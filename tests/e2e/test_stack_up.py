@@ -1,0 +1,187 @@
+"""`payhook up` as a newcomer runs it: real services, real processes, nothing left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import psutil
+import psycopg
+import pytest
+
+from payhook.settings import Settings
+from tests.processes import process_env, wait_until
+from tests.receiver import Receiver
+
+#: Seconds `payhook up` may take to start embedded PostgreSQL and Redis and every process.
+START_TIMEOUT = 120.0
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def newcomer_env() -> dict[str, str]:
+    """A shell with no payhook configuration at all."""
+    drop = {"DATABASE_URL", "REDIS_URL"}
+    return {k: v for k, v in os.environ.items() if not k.startswith("PAYHOOK_") and k not in drop}
+
+
+def start_up(
+    args: list[str], env: dict[str, str], cwd: Path
+) -> tuple[subprocess.Popen[bytes], Path]:
+    log = cwd / "up.log"
+    with log.open("wb") as handle:
+        up = subprocess.Popen(
+            [sys.executable, "-m", "payhook.cli", "up", *args],
+            cwd=cwd,
+            env=env,
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+        )
+    return up, log
+
+
+def wait_for_banner(up: subprocess.Popen[bytes], log: Path) -> str:
+    def ready() -> bool:
+        return up.poll() is not None or "payhook is up" in log.read_text()
+
+    wait_until(ready, START_TIMEOUT, "payhook up to start")
+    text = log.read_text()
+    assert up.poll() is None, text[-4000:]
+    return text
+
+
+def alive(processes: list[psutil.Process]) -> list[str]:
+    """Those still running (zombies, already dead, do not count)."""
+    left = []
+    for process in processes:
+        try:
+            if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
+                left.append(" ".join(process.cmdline()))
+        except psutil.NoSuchProcess:
+            pass
+    return left
+
+
+def postgres_serving(pgdata: Path) -> list[str]:
+    found = []
+    for process in psutil.process_iter(["name", "cmdline"]):
+        cmdline = process.info["cmdline"] or []
+        if process.info["name"] == "postgres" and any(str(pgdata) in part for part in cmdline):
+            found.append(" ".join(cmdline))
+    return found
+
+
+@pytest.fixture
+def workdir() -> Iterator[Path]:
+    """A fresh folder to run `payhook up` in. Not under pytest's own temporary folder:
+    pytest makes that private (0700) whenever a run starts, and as root pgserver runs
+    PostgreSQL as another user, who must reach the data folder."""
+    folder = Path(tempfile.mkdtemp(prefix="payhook-up-"))
+    folder.chmod(0o755)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_newcomer_runs_up_sends_a_payment_and_stops_everything(workdir: Path) -> None:
+    """Embedded PostgreSQL and Redis from the wheels, demo tenant, paid order, fulfilment."""
+    tmp_path = workdir
+    receiver = Receiver(tmp_path / "receiver").start()
+    port, dashboard_port = free_port(), free_port()
+    options = f"--embedded --port {port} --dashboard-port {dashboard_port}"
+    up, log = start_up(
+        [*options.split(), "--fulfilment-url", receiver.url], newcomer_env(), tmp_path
+    )
+    try:
+        text = wait_for_banner(up, log)
+        database_url = re.search(r"DATABASE_URL=(\S+)", text)
+        assert database_url is not None, text
+        assert "Redis: embedded valkey-server 8." in text
+        children = psutil.Process(up.pid).children(recursive=True)
+        commands = [" ".join(c.cmdline()) for c in children]
+        for needed in ("ingress", "consumer", "outbox-worker", "dashboard", "valkey-server"):
+            assert any(needed in command for command in commands), (needed, commands)
+        direct = [" ".join(c.cmdline()) for c in psutil.Process(up.pid).children()]
+        assert sum("payhook.cli consumer" in command for command in direct) == 2
+        pgdata = tmp_path / ".payhook" / "pgdata"
+        assert postgres_serving(pgdata)
+
+        # The banner's own line, pasted into a shell.
+        [send] = [
+            line.split("| ", 1)[1].strip() for line in text.splitlines() if "payhook send" in line
+        ]
+        argv = shlex.split(send)
+        assert argv[0] == "payhook"
+        sent = subprocess.run(
+            [sys.executable, "-m", "payhook.cli", *argv[1:]],
+            env=newcomer_env(),
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert sent.returncode == 0, sent.stdout + sent.stderr
+
+        wait_until(lambda: bool(receiver.requests()), 60, "the fulfilment delivery")
+        [delivery] = receiver.requests()
+        fulfilment = json.loads(delivery["body"])
+        assert (fulfilment["merchant_reference"], fulfilment["state"]) == ("demo-1", "paid")
+        assert delivery["headers"]["idempotency-key"].endswith(":fulfil_order")
+        with psycopg.connect(database_url.group(1)) as conn:
+            row = conn.execute(
+                "SELECT state FROM payhook.payment_orders WHERE merchant_reference = 'demo-1'"
+            ).fetchone()
+        assert row == ("paid",)
+        assert httpx.get(f"http://127.0.0.1:{dashboard_port}/").status_code == 401
+
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(timeout=60) == 0, log.read_text()[-4000:]
+        assert alive(children) == []
+        assert postgres_serving(pgdata) == []
+        assert log.read_text().rstrip().endswith("stopped; nothing left running")
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+        receiver.stop()
+
+
+@pytest.mark.slow
+def test_up_uses_the_configured_services_and_stops_all_when_a_child_dies(
+    settings: Settings, tmp_path: Path
+) -> None:
+    env = process_env(settings)
+    up, log = start_up(
+        ["--port", str(free_port()), "--dashboard-port", str(free_port()), "--consumers", "1"],
+        env,
+        tmp_path,
+    )
+    try:
+        text = wait_for_banner(up, log)
+        assert f"PostgreSQL: DATABASE_URL ({settings.database_url})" in text
+        assert f"Redis: REDIS_URL ({settings.redis_url})" in text
+        assert not (tmp_path / ".payhook").exists()
+        children = psutil.Process(up.pid).children(recursive=True)
+        [outbox] = [c for c in children if "outbox-worker" in " ".join(c.cmdline())]
+        outbox.kill()
+        assert up.wait(timeout=60) == 1
+        assert "outbox exited with status -9; stopping all" in log.read_text()
+        assert alive(children) == []
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
