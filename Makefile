@@ -3,12 +3,13 @@ VENV ?= .venv
 PYTHON ?= python3
 BIN := $(VENV)/bin
 
-.PHONY: run test install services lint format unit integration e2e bench clean
+.PHONY: run test install services browser lint format unit integration e2e bench clean
 
-run: install services
+# `payhook up` finds the local PostgreSQL and Redis, or starts embedded ones.
+run: install
 	$(BIN)/payhook up
 
-test: install services lint
+test: install services browser lint
 	$(BIN)/pytest
 
 install: $(VENV)/.installed
@@ -21,6 +22,10 @@ $(VENV)/.installed: pyproject.toml
 
 services:
 	scripts/services.sh
+
+# Chromium, chromedriver and promtool for the dashboard and alert-rule tests.
+browser:
+	scripts/browser.sh
 
 lint: install
 	$(BIN)/ruff check .
