@@ -85,6 +85,11 @@ class Proxy:
 
     def cut(self) -> None:
         assert self._listener is not None
+        # shutdown() wakes the thread blocked in accept(); close() alone would not.
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         self._listener.close()
         with self._lock:
             for sock in self._sockets:
