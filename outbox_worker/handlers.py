@@ -28,6 +28,8 @@ log = structlog.get_logger(__name__)
 USER_AGENT = "payhook-outbox/1"
 #: 4xx statuses that mean "later", not "never".
 RETRYABLE_4XX = frozenset({408, 429})
+#: Bytes of a response body read to keep the connection alive; the body is never used.
+MAX_DRAINED_BODY = 64 * 1024
 #: Body fields that identify the side effect; always present.
 IDENTITY_FIELDS = ("action", "tenant_id", "order_id", "merchant_reference", "event_id")
 
@@ -67,14 +69,16 @@ def log_delivery(claim: Claim) -> Outcome:
 
 
 def post_delivery(client: httpx.Client, claim: Claim, *, now: float | None = None) -> Outcome:
-    """The `http` handler: one signed POST; the response body is not read."""
+    """The `http` handler: one signed POST; only the status and `Retry-After` matter."""
     assert claim.fulfilment_url is not None and claim.signing_secret is not None
     timestamp = int(time.time() if now is None else now)
     body = delivery_body(claim)
     headers = delivery_headers(claim, body, timestamp)
     try:
         with client.stream("POST", claim.fulfilment_url, content=body, headers=headers) as resp:
-            return classify(resp.status_code, resp.headers.get("retry-after"), time.time())
+            outcome = classify(resp.status_code, resp.headers.get("retry-after"), time.time())
+            _drain(resp)
+            return outcome
     except (httpx.InvalidURL, httpx.UnsupportedProtocol):
         # The message would repeat the URL, which may carry credentials.
         return Outcome("dead", "http", error="fulfilment URL is not a usable http(s) URL")
@@ -82,6 +86,17 @@ def post_delivery(client: httpx.Client, claim: Claim, *, now: float | None = Non
         return Outcome("retry", "http", error=f"timeout: {type(exc).__name__}")
     except httpx.TransportError as exc:
         return Outcome("retry", "http", error=f"connection error: {type(exc).__name__}: {exc}")
+
+
+def _drain(response: httpx.Response) -> None:
+    """Read a small body so the connection can be reused; leave a large one unread."""
+    if response.is_stream_consumed:
+        return
+    size = 0
+    for chunk in response.iter_raw():
+        size += len(chunk)
+        if size > MAX_DRAINED_BODY:
+            return  # closing an unread response closes its connection, which is fine
 
 
 def classify(status: int, retry_after: str | None, now: float) -> Outcome:

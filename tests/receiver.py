@@ -3,7 +3,8 @@
 Run as `python -m tests.receiver --log requests.jsonl --ready port.txt`; it binds
 127.0.0.1 (a free port unless `--port`), writes the port to the ready file and
 appends one JSON line per request: arrival time, method, path, headers
-(lower-cased), body and the status it answered. The line is written when the
+(lower-cased), body, the status it answered and the client's port (one per
+connection). The line is written when the
 request arrives, before any delay, so a test can see a delivery in flight.
 
 Behaviour (`--status`, `--delay`, `--retry-after`) can be changed while it runs
@@ -111,6 +112,7 @@ def make_handler(behaviour: Behaviour, recorder: Recorder) -> type[BaseHTTPReque
                     "headers": {k.lower(): v for k, v in self.headers.items()},
                     "body": body.decode("utf-8", "replace"),
                     "status": status,
+                    "client_port": self.client_address[1],
                 }
             )
             if delay:

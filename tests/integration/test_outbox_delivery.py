@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,8 +45,22 @@ def receiver(tmp_path: Path) -> Iterator[Receiver]:
         yield receiver
 
 
-def make_worker(pool: Pool, config: OutboxConfig) -> Worker:
-    return Worker(pool, build_client(config), config)
+MakeWorker = Callable[..., Worker]
+
+
+@pytest.fixture
+def make_worker(pool: Pool) -> Iterator[MakeWorker]:
+    """Workers on the test's pool; their threads and HTTP clients are closed afterwards."""
+    made: list[Worker] = []
+
+    def make(config: OutboxConfig, **options: Any) -> Worker:
+        worker = Worker(pool, build_client(config), config, **options)
+        made.append(worker)
+        return worker
+
+    yield make
+    for worker in made:
+        worker.client.close()
 
 
 def add_rows(conn: psycopg.Connection[Row], shop: Shop, order_id: str, count: int = 1) -> list[str]:
@@ -103,15 +117,14 @@ def signing_secret(conn: psycopg.Connection[Row], shop: Shop) -> str:
 
 
 def test_delivery_is_a_signed_post_with_the_idempotency_key(
-    conn: psycopg.Connection[Row], factory: Factory, pool: Pool, receiver: Receiver
+    conn: psycopg.Connection[Row], factory: Factory, make_worker: MakeWorker, receiver: Receiver
 ) -> None:
     shop = factory.shop(fulfilment_url=receiver.url)
     order_id = factory.order(shop)
     [row_id] = add_rows(conn, shop, order_id)
-    worker = make_worker(pool, FAST)
+    worker = make_worker(FAST)
     with capture_logs() as logs:
         assert worker.run_once() == 1
-    worker.close()
 
     [request] = receiver.requests()
     stored = row(conn, row_id)
@@ -133,7 +146,7 @@ def test_delivery_is_a_signed_post_with_the_idempotency_key(
 
 
 def test_event_applied_by_the_consumer_reaches_the_fulfilment_url(
-    settings: Settings, factory: Factory, pool: Pool, receiver: Receiver
+    settings: Settings, factory: Factory, make_worker: MakeWorker, receiver: Receiver
 ) -> None:
     """The whole path: a signed gateway event, the consumer transaction, the outbox worker."""
     shop = factory.shop(fulfilment_url=receiver.url)
@@ -144,9 +157,8 @@ def test_event_applied_by_the_consumer_reaches_the_fulfilment_url(
     assert handle(runtime, factory.standard_envelope(shop, event).to_json()).outcome == "applied"
     runtime.pool.close()
 
-    worker = make_worker(pool, FAST)
+    worker = make_worker(FAST)
     worker.run_once()
-    worker.close()
     [request] = receiver.requests()
     assert request["headers"]["idempotency-key"] == (
         f"{shop.tenant_id}:{event.event_id}:fulfil_order"
@@ -164,18 +176,17 @@ def test_event_applied_by_the_consumer_reaches_the_fulfilment_url(
 
 
 def test_400_is_dead_at_once_and_never_retried(
-    conn: psycopg.Connection[Row], factory: Factory, pool: Pool, receiver: Receiver
+    conn: psycopg.Connection[Row], factory: Factory, make_worker: MakeWorker, receiver: Receiver
 ) -> None:
     receiver.configure(status=400)
     shop = factory.shop(fulfilment_url=receiver.url)
     [row_id] = add_rows(conn, shop, factory.order(shop))
-    worker = make_worker(pool, FAST)
+    worker = make_worker(FAST)
     with capture_logs() as logs:
         worker.run_once()
     receiver.configure(status=200)
     time.sleep(FAST.backoff * 4)  # longer than any retry would have waited
     assert worker.run_once() == 0
-    worker.close()
 
     stored = row(conn, row_id)
     assert (stored["state"], stored["attempts"], stored["last_error"]) == ("dead", 1, "HTTP 400")
@@ -185,13 +196,13 @@ def test_400_is_dead_at_once_and_never_retried(
 
 
 def test_5xx_is_retried_with_backoff_then_delivered(
-    conn: psycopg.Connection[Row], factory: Factory, pool: Pool, receiver: Receiver
+    conn: psycopg.Connection[Row], factory: Factory, make_worker: MakeWorker, receiver: Receiver
 ) -> None:
     receiver.configure(statuses=[500, 503])
     shop = factory.shop(fulfilment_url=receiver.url)
     [row_id] = add_rows(conn, shop, factory.order(shop))
     config = OutboxConfig(lease=30, poll=0.2, timeout=2, backoff=0.3, backoff_max=0.3)
-    worker = make_worker(pool, config)
+    worker = make_worker(config)
     worker.run_once()
     after_first = row(conn, row_id)
     assert after_first["state"] == "pending" and after_first["last_error"] == "HTTP 500"
@@ -199,7 +210,6 @@ def test_5xx_is_retried_with_backoff_then_delivered(
     assert worker.run_once() == 0, "not due again before the backoff"
 
     run_until(worker, lambda: row(conn, row_id)["state"] == "delivered")
-    worker.close()
     stored = row(conn, row_id)
     assert stored["attempts"] == 3 and stored["last_error"] == "HTTP 503"
     assert [r["status"] for r in receiver.requests()] == [500, 503, 200]
@@ -207,59 +217,55 @@ def test_5xx_is_retried_with_backoff_then_delivered(
 
 
 def test_429_retry_after_is_honoured(
-    conn: psycopg.Connection[Row], factory: Factory, pool: Pool, receiver: Receiver
+    conn: psycopg.Connection[Row], factory: Factory, make_worker: MakeWorker, receiver: Receiver
 ) -> None:
     receiver.configure(status=429, retry_after="120")
     shop = factory.shop(fulfilment_url=receiver.url)
     [row_id] = add_rows(conn, shop, factory.order(shop))
-    worker = make_worker(pool, FAST)
+    worker = make_worker(FAST)
     worker.run_once()
-    worker.close()
     stored = row(conn, row_id)
     assert stored["state"] == "pending" and stored["last_error"] == "HTTP 429"
     assert stored["due_in"].total_seconds() > 110, "Retry-After beats the 50 ms backoff"
 
 
 def test_timeout_is_retried(
-    conn: psycopg.Connection[Row], factory: Factory, pool: Pool, receiver: Receiver
+    conn: psycopg.Connection[Row], factory: Factory, make_worker: MakeWorker, receiver: Receiver
 ) -> None:
     receiver.configure(delay=3)
     shop = factory.shop(fulfilment_url=receiver.url)
     [row_id] = add_rows(conn, shop, factory.order(shop))
-    worker = make_worker(pool, OutboxConfig(lease=5, timeout=0.5, backoff=60, backoff_max=60))
+    worker = make_worker(OutboxConfig(lease=5, timeout=0.5, backoff=60, backoff_max=60))
     worker.run_once()
-    worker.close()
     stored = row(conn, row_id)
     assert stored["state"] == "pending" and stored["last_error"] == "timeout: ReadTimeout"
     assert len(receiver.requests()) == 1
 
 
 def test_connection_refused_is_retried(
-    conn: psycopg.Connection[Row], factory: Factory, pool: Pool, receiver: Receiver
+    conn: psycopg.Connection[Row], factory: Factory, make_worker: MakeWorker, receiver: Receiver
 ) -> None:
     shop = factory.shop(fulfilment_url=receiver.url)
     receiver.stop()
     [row_id] = add_rows(conn, shop, factory.order(shop))
-    worker = make_worker(pool, FAST)
+    worker = make_worker(FAST)
     worker.run_once()
-    worker.close()
     stored = row(conn, row_id)
     assert stored["state"] == "pending" and stored["attempts"] == 1
     assert stored["last_error"].startswith("connection error: ConnectError")
 
 
 def test_last_allowed_attempt_makes_the_row_dead(
-    conn: psycopg.Connection[Row], factory: Factory, pool: Pool, receiver: Receiver
+    conn: psycopg.Connection[Row], factory: Factory, make_worker: MakeWorker, receiver: Receiver
 ) -> None:
     receiver.configure(status=502)
     shop = factory.shop(fulfilment_url=receiver.url)
     [row_id] = add_rows(conn, shop, factory.order(shop))
     config = OutboxConfig(lease=30, timeout=2, max_attempts=3, backoff=0.05, backoff_max=0.1)
-    worker = make_worker(pool, config)
+    worker = make_worker(config)
     run_until(worker, lambda: row(conn, row_id)["state"] == "dead")
     time.sleep(0.2)
     assert worker.run_once() == 0
-    worker.close()
     stored = row(conn, row_id)
     assert stored["attempts"] == 3
     assert stored["last_error"] == "gave up after 3 attempts: HTTP 502"
@@ -267,14 +273,13 @@ def test_last_allowed_attempt_makes_the_row_dead(
 
 
 def test_tenant_without_url_gets_the_log_handler(
-    conn: psycopg.Connection[Row], factory: Factory, pool: Pool, receiver: Receiver
+    conn: psycopg.Connection[Row], factory: Factory, make_worker: MakeWorker, receiver: Receiver
 ) -> None:
     shop = factory.shop(fulfilment_url=None)
     [row_id] = add_rows(conn, shop, factory.order(shop))
-    worker = make_worker(pool, FAST)
+    worker = make_worker(FAST)
     with capture_logs() as logs:
         worker.run_once()
-    worker.close()
     assert row(conn, row_id)["state"] == "delivered"
     assert receiver.requests() == []
     events = [e for e in logs if e["event"] in {"outbox_logged", "outbox_delivered"}]
@@ -285,14 +290,13 @@ def test_tenant_without_url_gets_the_log_handler(
 
 
 def test_stopping_worker_releases_claimed_rows_it_has_not_started(
-    conn: psycopg.Connection[Row], factory: Factory, pool: Pool, receiver: Receiver
+    conn: psycopg.Connection[Row], factory: Factory, make_worker: MakeWorker, receiver: Receiver
 ) -> None:
     shop = factory.shop(fulfilment_url=receiver.url)
     ids = add_rows(conn, shop, factory.order(shop), 3)
-    worker = make_worker(pool, FAST)
+    worker = make_worker(FAST)
     worker.stop()
     assert worker.run_batch() == 3  # claimed, then given back unattempted
-    worker.close()
     for row_id in ids:
         stored = row(conn, row_id)
         assert stored["state"] == "pending" and stored["attempts"] == 0
@@ -301,7 +305,7 @@ def test_stopping_worker_releases_claimed_rows_it_has_not_started(
 
 
 def test_row_is_not_started_without_a_full_delivery_left_in_its_lease(
-    conn: psycopg.Connection[Row], factory: Factory, pool: Any
+    conn: psycopg.Connection[Row], factory: Factory, make_worker: MakeWorker
 ) -> None:
     """Rows queued behind a slow delivery are released rather than sent late in the lease."""
     shop = factory.shop(fulfilment_url="http://127.0.0.1:9/unused")
@@ -314,9 +318,8 @@ def test_row_is_not_started_without_a_full_delivery_left_in_its_lease(
         return Outcome("delivered", "test")
 
     config = OutboxConfig(lease=3, batch=2, concurrency=1, timeout=1)
-    worker = Worker(pool, build_client(config), config, deliver=slow_delivery)
+    worker = make_worker(config, deliver=slow_delivery)
     assert worker.run_batch() == 2
-    worker.close()
     [first] = started
     [second] = [i for i in ids if i != first]
     assert row(conn, first)["state"] == "delivered"
@@ -325,15 +328,14 @@ def test_row_is_not_started_without_a_full_delivery_left_in_its_lease(
 
 
 def test_row_whose_last_attempt_was_lost_with_its_worker_is_dead_not_resent(
-    conn: psycopg.Connection[Row], factory: Factory, pool: Pool, receiver: Receiver
+    conn: psycopg.Connection[Row], factory: Factory, make_worker: MakeWorker, receiver: Receiver
 ) -> None:
     """A worker died during the last allowed attempt: the takeover gives up, it does not send."""
     shop = factory.shop(fulfilment_url=receiver.url)
     [row_id] = add_rows(conn, shop, factory.order(shop))
     conn.execute("UPDATE payhook.payment_outbox SET attempts = 3 WHERE id = %s", (row_id,))
-    worker = make_worker(pool, OutboxConfig(lease=30, timeout=2, max_attempts=3))
+    worker = make_worker(OutboxConfig(lease=30, timeout=2, max_attempts=3))
     worker.run_once()
-    worker.close()
     stored = row(conn, row_id)
     assert (stored["state"], stored["attempts"]) == ("dead", 4)
     assert stored["last_error"] == "worker lost during the last attempt"
@@ -341,7 +343,7 @@ def test_row_whose_last_attempt_was_lost_with_its_worker_is_dead_not_resent(
 
 
 def test_handler_crash_is_recorded_as_a_failed_attempt(
-    conn: psycopg.Connection[Row], factory: Factory, pool: Pool
+    conn: psycopg.Connection[Row], factory: Factory, make_worker: MakeWorker
 ) -> None:
     shop = factory.shop(fulfilment_url="http://127.0.0.1:9/unused")
     [row_id] = add_rows(conn, shop, factory.order(shop))
@@ -350,12 +352,25 @@ def test_handler_crash_is_recorded_as_a_failed_attempt(
         raise KeyError("surprise")
 
     config = OutboxConfig(lease=30, timeout=2, backoff=60, backoff_max=60)
-    worker = Worker(pool, build_client(config), config, deliver=broken)
+    worker = make_worker(config, deliver=broken)
     with capture_logs() as logs:
         worker.run_once()
-    worker.close()
     stored = row(conn, row_id)
     assert stored["state"] == "pending" and stored["claim_token"] is None
     assert stored["last_error"] == "handler failed: KeyError"
     assert stored["due_in"].total_seconds() > 25, "retried on the backoff, not the lease"
     assert "outbox_handler_failed" in [e["event"] for e in logs]
+
+
+def test_deliveries_reuse_one_connection(
+    conn: psycopg.Connection[Row], factory: Factory, make_worker: MakeWorker, receiver: Receiver
+) -> None:
+    """The response is read, so keep-alive works: no TCP handshake per delivery."""
+    receiver.configure(statuses=[503])
+    shop = factory.shop(fulfilment_url=receiver.url)
+    add_rows(conn, shop, factory.order(shop), 5)
+    worker = make_worker(OutboxConfig(lease=30, batch=5, concurrency=1, timeout=2))
+    worker.run_once()
+    requests = receiver.requests()
+    assert [r["status"] for r in requests] == [503, 200, 200, 200, 200]
+    assert len({r["client_port"] for r in requests}) == 1

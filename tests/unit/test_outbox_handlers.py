@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Iterator
 from datetime import UTC, datetime
 
 import httpx
@@ -168,3 +169,15 @@ def test_claim_repr_hides_the_signing_secret() -> None:
 def test_errors_are_stored_short_and_on_one_line() -> None:
     assert short_error("a\n  b\tc") == "a b c"
     assert len(short_error("x" * 1000)) == 300
+
+
+def test_an_endless_response_body_is_not_read_to_the_end() -> None:
+    class Endless(httpx.SyncByteStream):
+        def __iter__(self) -> Iterator[bytes]:
+            while True:
+                yield b"x" * 4096
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, stream=Endless())
+
+    assert deliver(client(answer), make_claim()).kind == "delivered"
