@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from payhook.errors import PayhookError
 
@@ -14,6 +14,8 @@ class BodyTooLarge(PayhookError):
 async def read_body(request: Request, limit: int) -> bytes:
     """The whole body, or `BodyTooLarge` as soon as it is known to exceed `limit` bytes.
 
+    `ClientDisconnect` when the sender goes away mid-body.
+
     A declared `Content-Length` over the limit is refused before reading
     anything; a body streamed without one is read chunk by chunk and
     abandoned at the first chunk that crosses the limit.
@@ -23,7 +25,13 @@ async def read_body(request: Request, limit: int) -> bytes:
         raise BodyTooLarge()
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
+    more = True
+    while more:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnect()
+        chunk: bytes = message.get("body", b"")
+        more = message.get("more_body", False)
         size += len(chunk)
         if size > limit:
             raise BodyTooLarge()

@@ -28,7 +28,6 @@ from typing import Any
 from redis import Redis
 from redis.client import Pipeline
 from rq.serializers import JSONSerializer
-from rq.utils import now, utcformat
 
 from payhook.envelope import Envelope
 from payhook.errors import PayhookError
@@ -209,7 +208,7 @@ class JobTemplate:
 
     def packed(self, envelope: Envelope) -> PackedJob:
         """The job that enqueues `envelope` now, ready for `pack_jobs`."""
-        stamp = utcformat(now()).encode()
+        stamp = rq_time(datetime.now(UTC))
         return self.pack(envelope, {field: stamp for field in TIME_FIELDS})
 
     def pack(self, envelope: Envelope, times: dict[bytes, bytes]) -> PackedJob:
@@ -265,6 +264,11 @@ def _slots(commands: list[Command], probe: Envelope) -> list[list[Arg]]:
 def _is_hash_value(command: Command, index: int) -> bool:
     """Whether `command[index]` is a value in `HSET key field value [field value ...]`."""
     return command[0].upper() == b"HSET" and index >= 3 and index % 2 == 1
+
+
+def rq_time(moment: datetime) -> bytes:
+    """`moment` (UTC) as RQ's `utcformat` writes it, `2026-01-31T09:05:00.000000Z`, faster."""
+    return moment.isoformat(timespec="microseconds").removesuffix("+00:00").encode() + b"Z"
 
 
 def _decompressed(commands: list[Command]) -> list[Command]:

@@ -11,6 +11,7 @@ ENQUEUE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self._request_children: dict[tuple[str, int], Counter] = {}
         self.requests = Counter(
             "payhook_ingress_requests",
             "Webhook requests answered, by gateway and HTTP status.",
@@ -50,6 +51,13 @@ class Metrics:
             ["result"],
             registry=self.registry,
         )
+
+    def count_request(self, gateway: str, status: int) -> None:
+        key = (gateway, status)
+        child = self._request_children.get(key)
+        if child is None:
+            child = self._request_children[key] = self.requests.labels(gateway, str(status))
+        child.inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

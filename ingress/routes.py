@@ -48,25 +48,23 @@ async def receive_webhook(request: Request) -> Response:
     line: dict[str, Any] = {"endpoint_id": None, "gateway": None}
     response = await _receive(ingress, request, line)
     line["duration_ms"] = round((time.perf_counter() - started) * 1000, 2)
-    ingress.metrics.requests.labels(line["gateway"] or "none", str(response.status_code)).inc()
+    ingress.metrics.count_request(line["gateway"] or "none", response.status_code)
     log.info("webhook_received", status=response.status_code, **line)
     return response
 
 
 async def _receive(ingress: Ingress, request: Request, line: dict[str, Any]) -> Response:
-    try:
-        endpoint_id = str(uuid.UUID(request.path_params["endpoint_id"]))
-    except ValueError:
-        line["reason"] = "unknown_endpoint"
-        return _error(404, "not_found")
-    line["endpoint_id"] = endpoint_id
-    if not ingress.cache.loaded:
-        line["reason"] = "endpoints_not_loaded"
-        return _error(503, "unavailable", ingress.retry_after)
-    endpoint = ingress.cache.get(endpoint_id)
+    # Cached ids are canonical UUIDs: most requests hit without parsing one.
+    raw_id = request.path_params["endpoint_id"]
+    endpoint = ingress.cache.get(raw_id) or ingress.cache.get(_canonical(raw_id) or "")
     if endpoint is None:
+        line["endpoint_id"] = _canonical(raw_id)
+        if not ingress.cache.loaded:
+            line["reason"] = "endpoints_not_loaded"
+            return _error(503, "unavailable", ingress.retry_after)
         line["reason"] = "unknown_endpoint"
         return _error(404, "not_found")
+    line["endpoint_id"] = endpoint.id
     line["tenant_id"] = endpoint.tenant_id
     line["gateway"] = endpoint.gateway
     try:
@@ -118,6 +116,13 @@ async def _receive(ingress: Ingress, request: Request, line: dict[str, Any]) -> 
     ingress.metrics.enqueue_seconds.observe(seconds)
     accepted = b'{"delivery_id": "%b"}' % envelope.delivery_id.encode()
     return Response(accepted, status_code=202, media_type=JSON)
+
+
+def _canonical(endpoint_id: str) -> str | None:
+    try:
+        return str(uuid.UUID(endpoint_id))
+    except ValueError:
+        return None
 
 
 def _headers(request: Request) -> dict[str, str]:

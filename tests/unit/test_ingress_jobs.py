@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from redis.connection import Connection
 from rq import Queue
+from rq.utils import utcformat
 
 from ingress import jobs
 from ingress.jobs import (
@@ -20,6 +21,7 @@ from ingress.jobs import (
     pack_commands,
     pack_jobs,
     record_commands,
+    rq_time,
 )
 from payhook.envelope import Envelope
 from payhook.settings import Settings
@@ -129,3 +131,15 @@ def test_recording_needs_no_redis() -> None:
     nowhere = Settings.from_env({"REDIS_URL": "redis://192.0.2.1:1/0"})
     commands = record_commands(nowhere, envelope())
     assert [command[0] for command in commands] == [b"SADD", b"HSET", b"HSET", b"RPUSH"]
+
+
+@pytest.mark.parametrize(
+    "moment",
+    [
+        datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC),
+        datetime(2026, 12, 31, 23, 59, 59, 999999, tzinfo=UTC),
+        datetime(2026, 6, 1, 0, 0, 0, 7, tzinfo=UTC),
+    ],
+)
+def test_timestamps_are_written_as_rq_writes_them(moment: datetime) -> None:
+    assert rq_time(moment) == utcformat(moment).encode()
