@@ -147,7 +147,9 @@ def create_app(settings: Settings, user: str, password: str) -> Flask:
 
     # Every job this app reads is read as JSON, never unpickled.
     web.config.serializer = JSONSerializer
-    app = Flask(__name__)
+    # The pages ask for `/static/...` from both the app and the blueprint: serve
+    # rq-dashboard's files from both, as its own command does.
+    app = Flask(__name__, static_folder=web.blueprint.static_folder)
     app.config.from_object(rq_dashboard.default_settings)
     app.config.update(
         RQ_DASHBOARD_REDIS_URL=str(settings.redis_url),

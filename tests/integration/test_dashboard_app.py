@@ -66,6 +66,9 @@ def test_every_page_needs_the_credentials(client: FlaskClient) -> None:
     page = client.get("/", headers=AUTH)
     assert page.status_code == 200
     assert page.headers["X-Frame-Options"] == "DENY"
+    for asset in ("/static/js/jquery-3.5.1.min.js", "/static/css/main.css", "/static/favicon.ico"):
+        with client.get(asset, headers=AUTH) as served:
+            assert served.status_code == 200, asset
 
 
 def test_requeue_from_the_dashboard_puts_the_json_job_back_on_the_events_queue(

@@ -1,0 +1,165 @@
+"""The dashboard in a real headless Chromium: log in, requeue a dead-letter job, it succeeds."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import tempfile
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import psycopg
+import pytest
+from psycopg import sql
+from redis import Redis
+from rq.job import Job, JobStatus
+from rq.registry import FailedJobRegistry
+from rq.serializers import JSONSerializer
+from selenium import webdriver
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.by import By
+from selenium.webdriver.remote.webdriver import WebDriver
+from selenium.webdriver.support.ui import WebDriverWait
+
+from payhook.queue import enqueue_event, events_queue
+from payhook.settings import Settings
+from tests.conftest import PG_SERVER
+from tests.factories import Factory, StandardEvent
+from tests.processes import process_env, start, stop, wait_until
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMEDRIVER = Path("/usr/bin/chromedriver")
+SCREENSHOT = Path(__file__).resolve().parents[2] / "docs" / "dashboard.png"
+USER, PASSWORD = "payhook", "browser-test-password"
+#: Consumer settings that send a failing job to the dead-letter queue quickly:
+#: one retry, after 1 s.
+QUICK = {"PAYHOOK_JOB_RETRY_INTERVALS": "1", "PAYHOOK_MAINTENANCE_INTERVAL": "1"}
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@pytest.fixture
+def browser() -> Iterator[WebDriver]:
+    for path in (CHROMIUM, CHROMEDRIVER):
+        assert path.exists(), f"{path} is missing: run scripts/browser.sh (make test does)"
+    profile = tempfile.mkdtemp(prefix="payhook-chromium-")
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(CHROMIUM)
+    for flag in (
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--window-size=1280,900",
+        f"--user-data-dir={profile}",
+    ):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+        shutil.rmtree(profile, ignore_errors=True)
+
+
+@pytest.fixture
+def unprivileged_url(database: str) -> Iterator[str]:
+    """A URL of the test database for a role that may log in but read nothing:
+    a deploy with broken grants."""
+    role = f"payhook_test_broken_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(f"{PG_SERVER}/postgres", autocommit=True) as admin:
+        admin.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(role)))
+    yield PG_SERVER.replace("//postgres@", f"//{role}@", 1) + f"/{database}"
+    with psycopg.connect(f"{PG_SERVER}/postgres", autocommit=True) as admin:
+        admin.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(role)))
+
+
+@pytest.mark.slow
+def test_an_operator_requeues_a_dead_letter_job_in_the_browser_and_it_is_applied(
+    settings: Settings,
+    redis_conn: Redis,
+    factory: Factory,
+    tmp_path: Path,
+    browser: WebDriver,
+    unprivileged_url: str,
+) -> None:
+    shop = factory.shop()
+    order_id = factory.order(shop)
+    env = process_env(settings, **QUICK, PAYHOOK_DASHBOARD_PASSWORD=PASSWORD)
+    quick = Settings.from_env(env)
+    queue = events_queue(redis_conn, quick)
+    # A consumer deployed with a role that cannot read the schema: the payment's
+    # job fails, is retried once, fails again and lands in the dead-letter queue.
+    broken = start(["consumer"], env | {"DATABASE_URL": unprivileged_url}, tmp_path / "broken.log")
+    envelope = factory.standard_envelope(shop, StandardEvent())
+    job = enqueue_event(queue, envelope, quick)
+    port = free_port()
+    dashboard = start(["dashboard", "--port", str(port)], env, tmp_path / "dashboard.log")
+    fixed: subprocess.Popen[bytes] | None = None
+    try:
+        wait_until(
+            lambda: job.id in FailedJobRegistry(queue=queue).get_job_ids(),
+            60,
+            "the job to reach the dead-letter queue",
+        )
+        # The deploy is fixed: the right consumer replaces the broken one.
+        stop(broken)
+        fixed = start(["consumer"], env, tmp_path / "consumer.log")
+        assert factory.order_state(shop, order_id) == "pending"
+
+        base = f"http://127.0.0.1:{port}"
+        wait_until(lambda: _answers(f"{base}/healthz"), 30, "the dashboard")
+        # Without credentials the browser gets nothing of the dashboard.
+        browser.get(f"{base}/0/view/jobs/{quick.queue}/failed/8/asc/1")
+        assert browser.title != "RQ dashboard"
+        assert "RQ-dashboard" not in browser.page_source
+
+        failed = f"/0/view/jobs/{quick.queue}/failed/8/asc/1"
+        browser.get(f"http://{USER}:{PASSWORD}@127.0.0.1:{port}{failed}")
+        row = f'tr[data-job-id="{job.id}"]'
+        button = WebDriverWait(browser, 30).until(
+            lambda b: b.find_element(By.CSS_SELECTOR, f"{row} [data-role=requeue-job-btn]")
+        )
+        assert "permission denied" in browser.find_element(By.CSS_SELECTOR, row).text
+        SCREENSHOT.parent.mkdir(exist_ok=True)
+        assert browser.save_screenshot(str(SCREENSHOT))
+
+        button.click()
+        wait_until(
+            lambda: _status(redis_conn, job.id) == JobStatus.FINISHED,
+            60,
+            "the requeued job to succeed",
+        )
+        WebDriverWait(browser, 30).until(lambda b: not b.find_elements(By.CSS_SELECTOR, row))
+        result = Job.fetch(job.id, connection=redis_conn, serializer=JSONSerializer)
+        assert result.return_value() == {"outcome": "applied", "order_id": order_id, "retries": 0}
+        assert factory.order_state(shop, order_id) == "paid"
+        assert factory.count("payment_outbox", order_id=order_id) == 1
+        assert FailedJobRegistry(queue=queue).get_job_ids() == []
+    finally:
+        stop(dashboard)
+        stop(broken)
+        if fixed is not None:
+            stop(fixed)
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _status(redis_conn: Redis, job_id: str) -> JobStatus | None:
+    return Job.fetch(job_id, connection=redis_conn, serializer=JSONSerializer).get_status()
