@@ -183,7 +183,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp_dir, Receiver(Path(tmp_dir) / "receiver") as receiver:
         tmp = keep or tmp_dir
         raw_rate, raw_trip = baseline(receiver, args.rows, threads)
-        print(f"machine: {os.cpu_count()} CPUs; receiver: tests.receiver (one process)")
+        load = os.getloadavg()[0]
+        print(f"machine: {os.cpu_count()} CPUs, load {load:.1f}; receiver: tests.receiver")
         print(f"baseline  plain httpx, {threads} threads:  {raw_rate:8.0f} requests/s")
         print(f"baseline  plain httpx, 1 thread round trip: {raw_trip:6.2f} ms (median)")
 
