@@ -30,6 +30,8 @@ USER_AGENT = "payhook-outbox/1"
 RETRYABLE_4XX = frozenset({408, 429})
 #: Bytes of a response body read to keep the connection alive; the body is never used.
 MAX_DRAINED_BODY = 64 * 1024
+#: Seconds spent reading that body at most (checked between chunks).
+MAX_DRAIN_SECONDS = 1.0
 #: Body fields that identify the side effect; always present.
 IDENTITY_FIELDS = ("action", "tenant_id", "order_id", "merchant_reference", "event_id")
 
@@ -89,14 +91,20 @@ def post_delivery(client: httpx.Client, claim: Claim, *, now: float | None = Non
 
 
 def _drain(response: httpx.Response) -> None:
-    """Read a small body so the connection can be reused; leave a large one unread."""
+    """Read a small, prompt body so the connection can be reused; give up on anything else.
+
+    The status is already decided: a failure here only costs the connection.
+    """
     if response.is_stream_consumed:
         return
-    size = 0
-    for chunk in response.iter_raw():
-        size += len(chunk)
-        if size > MAX_DRAINED_BODY:
-            return  # closing an unread response closes its connection, which is fine
+    size, deadline = 0, time.monotonic() + MAX_DRAIN_SECONDS
+    try:
+        for chunk in response.iter_raw():
+            size += len(chunk)
+            if size > MAX_DRAINED_BODY or time.monotonic() > deadline:
+                return  # closing an unread response closes its connection
+    except httpx.TransportError:
+        return
 
 
 def classify(status: int, retry_after: str | None, now: float) -> Outcome:

@@ -181,3 +181,15 @@ def test_an_endless_response_body_is_not_read_to_the_end() -> None:
         return httpx.Response(200, stream=Endless())
 
     assert deliver(client(answer), make_claim()).kind == "delivered"
+
+
+def test_a_response_body_cut_short_does_not_undo_a_2xx() -> None:
+    class Cut(httpx.SyncByteStream):
+        def __iter__(self) -> Iterator[bytes]:
+            yield b'{"ok":'
+            raise httpx.ReadError("connection reset")
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, stream=Cut())
+
+    assert deliver(client(answer), make_claim()).kind == "delivered"
