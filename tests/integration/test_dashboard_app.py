@@ -79,6 +79,9 @@ def test_requeue_from_the_dashboard_puts_the_json_job_back_on_the_events_queue(
         f"/0/data/jobs/{settings.queue}/failed/8/asc/1.json", headers=AUTH
     ).get_json()
     assert [j["id"] for j in listed["jobs"]] == [job.id]
+    metrics = client.get("/metrics", headers=AUTH).get_data(as_text=True)
+    assert 'payhook_alert_value{alert="dead_letter_jobs"} 1.0' in metrics
+    assert "payhook_alerts_up 1.0" in metrics
 
     answer = client.post(f"/job/{job.id}/requeue", headers=own_page(token(client)))
     assert answer.status_code == 200, answer.get_data(as_text=True)
