@@ -249,6 +249,8 @@ def run(
     stream: IO[str] = sys.stdout,
 ) -> int:
     """Run the stack until a signal or a child's death; 0 after a signal, 1 after a death."""
+    if options.consumers < 1:
+        raise SettingsError(f"--consumers: expected at least 1, got {options.consumers}")
     out = Output(stream)
     configure_logging(settings.log_level, stream=LineWriter(out))  # type: ignore[arg-type]
     logging.getLogger("pgserver").setLevel(logging.WARNING)
@@ -515,12 +517,17 @@ def banner(
 
 
 def _stop_all(children: list[Child], stopping: Stopping) -> None:
+    """SIGTERM every group; SIGKILL what is left after STOP_TIMEOUT or a second signal."""
     started = [c for c in children if c.process is not None]
     for child in started:
         child.signal_group(signal.SIGKILL if stopping.hurry else signal.SIGTERM)
     deadline = time.monotonic() + STOP_TIMEOUT
+    while any(c.exited() is None for c in started):
+        if stopping.hurry or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     for child in started:
-        child.reap(max(0.0, deadline - time.monotonic()))
+        child.reap(0)
 
 
 def _wait_ready(url: str, children: list[Child], stopping: Stopping) -> bool:
