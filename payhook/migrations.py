@@ -11,6 +11,7 @@ transaction, for `CREATE INDEX CONCURRENTLY`.
 from __future__ import annotations
 
 import re
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import LiteralString, cast
@@ -32,6 +33,9 @@ MIGRATION_LOCK_KEY = 0x7061796886F6F6B
 LOCK_TIMEOUT = "5s"
 #: How long one migration statement may run.
 STATEMENT_TIMEOUT = "15min"
+#: Seconds between polls of the migration lock, doubling up to the maximum.
+LOCK_POLL_MIN = 0.05
+LOCK_POLL_MAX = 1.0
 NO_TRANSACTION_MARKER = "-- payhook: no-transaction"
 
 _NAME = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
@@ -109,7 +113,7 @@ def apply_migrations(settings: Settings, folder: Path | None = None) -> list[str
     applied: list[str] = []
     timeouts = f"-c lock_timeout={LOCK_TIMEOUT} -c statement_timeout={STATEMENT_TIMEOUT}"
     with connect(settings, "migrate", options=timeouts) as conn:
-        conn.execute(query("lock_migrations"), {"key": MIGRATION_LOCK_KEY})
+        _lock(conn)
         try:
             conn.execute(query("create_migrations_table"))
             done = applied_versions(conn)
@@ -122,6 +126,17 @@ def apply_migrations(settings: Settings, folder: Path | None = None) -> list[str
         finally:
             conn.execute(query("unlock_migrations"), {"key": MIGRATION_LOCK_KEY})
     return applied
+
+
+def _lock(conn: psycopg.Connection[dict[str, object]]) -> None:
+    """Take the migration lock, polling so that waiting holds no snapshot."""
+    delay = LOCK_POLL_MIN
+    while True:
+        row = conn.execute(query("try_lock_migrations"), {"key": MIGRATION_LOCK_KEY}).fetchone()
+        if row is not None and row["locked"]:
+            return
+        time.sleep(delay)
+        delay = min(delay * 2, LOCK_POLL_MAX)
 
 
 def _apply_one(conn: psycopg.Connection[dict[str, object]], migration: Migration) -> None:

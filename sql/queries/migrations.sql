@@ -15,9 +15,11 @@ SELECT version FROM payhook.schema_migrations ORDER BY version
 -- Mark one migration applied, in the migration's own transaction.
 INSERT INTO payhook.schema_migrations (version, name) VALUES (%(version)s, %(name)s)
 
--- lock_migrations --
--- Session advisory lock: one migration run at a time.
-SELECT pg_advisory_lock(%(key)s)
+-- try_lock_migrations --
+-- Session advisory lock: one migration run at a time. Polled, not waited for:
+-- a session blocked in pg_advisory_lock holds a snapshot, which a
+-- CREATE INDEX CONCURRENTLY run by the lock holder would wait for forever.
+SELECT pg_try_advisory_lock(%(key)s) AS locked
 
 -- unlock_migrations --
 -- Release the migration lock.

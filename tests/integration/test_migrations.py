@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -77,19 +78,23 @@ def test_three_concurrent_migrate_processes_all_succeed(empty_db: str) -> None:
         assert rows == (total,)
 
 
+def positional(text: str) -> str:
+    """`%(name)s` placeholders as `$1`, `$2`, ... for PREPARE."""
+    params: dict[str, int] = {}
+
+    def number(match: re.Match[str]) -> str:
+        params.setdefault(match.group(1), len(params) + 1)
+        return f"${params[match.group(1)]}"
+
+    return re.sub(r"%\((\w+)\)s", number, text)
+
+
 def test_every_named_query_prepares(conn: psycopg.Connection[Row]) -> None:
     prepared = 0
     for name, text in all_queries().items():
         if not text.lstrip().upper().startswith(PREPARABLE):
             continue
-        params: dict[str, int] = {}
-
-        def number(match: re.Match[str]) -> str:
-            params.setdefault(match.group(1), len(params) + 1)
-            return f"${params[match.group(1)]}"
-
-        numbered = re.sub(r"%\((\w+)\)s", number, text)
-        conn.execute(f"PREPARE q_{name} AS {numbered}")  # type: ignore[arg-type]
+        conn.execute(f"PREPARE q_{name} AS {positional(text)}")  # type: ignore[arg-type]
         conn.execute(f"DEALLOCATE q_{name}")  # type: ignore[arg-type]
         prepared += 1
     assert prepared >= 10
@@ -122,3 +127,30 @@ def test_every_unique_constraint_of_a_tenant_table_begins_with_tenant_id(
         "payment_orders_merchant_reference_key",
         "payment_orders_gateway_order_id_key",
     } <= names
+
+
+def test_concurrent_runs_of_a_create_index_concurrently_migration_do_not_deadlock(
+    empty_db: str, tmp_path: Path
+) -> None:
+    """Waiting for the migration lock must hold no snapshot, or CONCURRENTLY waits for it."""
+    (tmp_path / "0001_table.sql").write_text("CREATE TABLE public.t (tenant_id int, x int);")
+    (tmp_path / "0002_index.sql").write_text(
+        "-- payhook: no-transaction\n"
+        "CREATE UNIQUE INDEX CONCURRENTLY t_key ON public.t (tenant_id, x);\n"
+    )
+    settings = test_settings(empty_db)
+    results: list[object] = []
+
+    def migrate() -> None:
+        try:
+            results.append(apply_migrations(settings, tmp_path))
+        except Exception as exc:
+            results.append(exc)
+
+    threads = [threading.Thread(target=migrate) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "a migration run hung"
+    assert sorted(len(r) for r in results if isinstance(r, list)) == [0, 0, 2], results
