@@ -47,6 +47,8 @@ e2e: install services
 
 bench: install services
 	$(BIN)/python -m bench.consumer
+	$(BIN)/python -m bench.ingress
+	$(BIN)/python -m bench.outbox
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
