@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import random
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -327,3 +329,52 @@ def test_chaos_every_acknowledged_event_has_exactly_one_effect(stack: Stack) -> 
     assert set(keys) == {fulfil_key(shop, e) for e in events}
     assert counts["exceptions"] == 0 and counts["anomalies"] == 0
     assert stack.failed_jobs() == 0
+
+
+def test_refund_before_its_payment_is_kept_and_replayed_exactly_once(stack: Stack) -> None:
+    shop = stack.shop()
+    stack.order(shop, "late-1", "pi_late", amount=3000)
+    refund = StandardEvent(
+        type="payment.refunded",
+        merchant_reference="late-1",
+        gateway_order_id="pi_late",
+        amount=1000,
+    )
+    payment = StandardEvent(merchant_reference="late-1", gateway_order_id="pi_late", amount=3000)
+    assert send(stack.url(shop), refund, shop.secret) == 202
+    stack.settle(timeout=30)
+    with stack.db() as conn:
+        row = conn.execute(
+            "SELECT id, kind FROM payhook.payment_exceptions WHERE tenant_id = %s",
+            (shop.tenant_id,),
+        ).fetchone()
+    assert row is not None and row["kind"] == "invalid_transition", "not silently dropped"
+    assert send(stack.url(shop, 1), payment, shop.secret) == 202
+    stack.settle(timeout=30)
+
+    def replay(*extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "payhook.cli", "exceptions", "replay", str(row["id"]), *extra],
+            env=stack.env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    dry = replay("--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    assert tenant_counts(stack, shop)["transitions"] == 1, "a dry run writes nothing"
+    first, second = replay(), replay()
+    assert (first.returncode, second.returncode) == (0, 0), (first.stderr, second.stderr)
+    stack.settle(timeout=30)
+    refund_key = f"{shop.tenant_id}:{refund.event_id}:notify_refund"
+    wait_until(lambda: refund_key in stack.receiver.keys(), 10, "the refund notification")
+    counts = tenant_counts(stack, shop)
+    assert counts["transitions"] == 2 and counts["outbox"] == 2
+    assert stack.receiver.keys().count(refund_key) == 1
+    with stack.db() as conn:
+        order = conn.execute(
+            "SELECT state, refunded_minor FROM payhook.payment_orders WHERE tenant_id = %s",
+            (shop.tenant_id,),
+        ).fetchone()
+    assert order == {"state": "partially_refunded", "refunded_minor": 1000}
