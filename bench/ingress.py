@@ -35,6 +35,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import psycopg
@@ -101,7 +102,7 @@ def process(args: list[str], env: dict[str, str], port: int) -> Iterator[subproc
 
 
 @contextmanager
-def private_redis(fsync: str) -> Iterator[str]:
+def private_redis(fsync: str) -> Iterator[tuple[str, int]]:
     port = spare_port()
     folder = tempfile.mkdtemp(prefix="payhook-bench-redis-")
     persistence = ["--appendonly", "no"] if fsync == "no" else ["--appendonly", "yes"]
@@ -109,8 +110,8 @@ def private_redis(fsync: str) -> Iterator[str]:
     args = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
     args += ["--dir", folder, *persistence, "--daemonize", "no", "--logfile", ""]
     try:
-        with process(args, dict(os.environ), port):
-            yield f"redis://127.0.0.1:{port}/0"
+        with process(args, dict(os.environ), port) as proc:
+            yield f"redis://127.0.0.1:{port}/0", proc.pid
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
@@ -192,8 +193,32 @@ def _lua(text: str) -> str:
     return json.dumps(text)  # a JSON string is a valid Lua string literal for ASCII text
 
 
-def run_wrk(port: int, script: Path, seconds: int, connections: int) -> float:
-    """Requests per second of one wrk run; raises if any response was not 202."""
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU seconds `pid` has used so far (Linux)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class Round:
+    rps: float
+    requests: int
+    #: CPU microseconds per request, of each process watched.
+    cpu_us: dict[str, float]
+
+
+def measure(
+    port: int, script: Path, seconds: int, connections: int, watched: dict[str, int]
+) -> Round:
+    """One wrk round, with the CPU each watched process spent per request."""
+    before = {name: cpu_seconds(pid) for name, pid in watched.items()}
+    rps, requests = run_wrk(port, script, seconds, connections)
+    spent = {name: cpu_seconds(pid) - before[name] for name, pid in watched.items()}
+    return Round(rps, requests, {name: cpu / requests * 1e6 for name, cpu in spent.items()})
+
+
+def run_wrk(port: int, script: Path, seconds: int, connections: int) -> tuple[float, int]:
+    """Requests per second and requests of one wrk run; raises if any was not a 202."""
     out = subprocess.run(
         ["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "-s", str(script),
          f"http://127.0.0.1:{port}"],
@@ -203,7 +228,9 @@ def run_wrk(port: int, script: Path, seconds: int, connections: int) -> float:
     errors = [line for line in out.splitlines() if "Non-2xx" in line or "Socket errors" in line]
     if bad or errors:
         raise RuntimeError(f"wrk saw failures: non202={bad} {errors}")
-    return float(next(line.split()[1] for line in out.splitlines() if "Requests/sec" in line))
+    rps = float(next(line.split()[1] for line in out.splitlines() if "Requests/sec" in line))
+    requests = int(next(line.split()[0] for line in out.splitlines() if " requests in " in line))
+    return rps, requests
 
 
 async def open_loop(
@@ -285,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
 
     python = sys.executable
     with (
-        private_redis(args.fsync) as redis_url,
+        private_redis(args.fsync) as (redis_url, redis_pid),
         scratch_endpoint(redis_url) as (settings, endpoint_id, secret),
         tempfile.TemporaryDirectory(prefix="payhook-bench-") as folder,
     ):
@@ -301,16 +328,25 @@ def main(argv: list[str] | None = None) -> int:
         uvicorn_args = ["--no-access-log", "--log-level", "warning"]
         bare = [python, "-m", "uvicorn", "bench.ingress:bare_app", "--port", str(bare_port)]
         ingress = [python, "-m", "payhook.cli", "ingress", "--port", str(ingress_port)]
-        with process(bare + uvicorn_args, env, bare_port), process(ingress, env, ingress_port):
+        with (
+            process(bare + uvicorn_args, env, bare_port) as bare_proc,
+            process(ingress, env, ingress_port) as ingress_proc,
+        ):
             redis = Redis.from_url(redis_url)
             wait_ready(ingress_port)
             # Warm both (imports, connections, caches) before measuring.
             run_wrk(bare_port, script, 2, args.connections)
             run_wrk(ingress_port, script, 2, args.connections)
-            bare_rps, ingress_rps = [], []
+            bare_rounds, ingress_rounds = [], []
             for _ in range(args.rounds):
-                bare_rps.append(run_wrk(bare_port, script, args.seconds, args.connections))
-                ingress_rps.append(run_wrk(ingress_port, script, args.seconds, args.connections))
+                bare_rounds.append(
+                    measure(bare_port, script, args.seconds, args.connections,
+                            {"app": bare_proc.pid})
+                )  # fmt: skip
+                ingress_rounds.append(
+                    measure(ingress_port, script, args.seconds, args.connections,
+                            {"app": ingress_proc.pid, "redis": redis_pid})
+                )  # fmt: skip
             queued = int(redis.llen(f"rq:queue:{settings.queue}"))
             redis.flushdb()
             for _, headers in requests:
@@ -320,14 +356,23 @@ def main(argv: list[str] | None = None) -> int:
             )
             redis.close()
 
+    bare_rps = [r.rps for r in bare_rounds]
+    ingress_rps = [r.rps for r in ingress_rounds]
     bare_median, ingress_median = statistics.median(bare_rps), statistics.median(ingress_rps)
-    ratio = ingress_median / bare_median
+    bare_cpu = statistics.median(r.cpu_us["app"] for r in bare_rounds)
+    ingress_cpu = statistics.median(r.cpu_us["app"] for r in ingress_rounds)
+    redis_cpu = statistics.median(r.cpu_us["redis"] for r in ingress_rounds)
     p50, p99 = percentile(latencies, 0.50), percentile(latencies, 0.99)
-    print(f"machine: {os.cpu_count()} CPUs, redis appendfsync={args.fsync}")
-    print(f"wrk -t1 -c{args.connections}, {args.rounds} rounds of {args.seconds}s each, ")
+    print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}, ", end="")
+    print(f"redis appendfsync={args.fsync}")
+    print(f"wrk -t1 -c{args.connections}, {args.rounds} rounds of {args.seconds}s each")
     print(f"  bare Starlette route  {_rates(bare_rps)}  median {bare_median:,.0f} req/s")
     print(f"  ingress               {_rates(ingress_rps)}  median {ingress_median:,.0f} req/s")
-    print(f"  ratio ingress/bare    {ratio:.0%}   (goal >= 40%)   jobs queued: {queued:,}")
+    print(f"  ratio ingress/bare    {ingress_median / bare_median:.0%}   (goal >= 40%)")
+    print("CPU per request (median; what throughput on a core of its own follows from)")
+    print(f"  bare Starlette route  {bare_cpu:,.0f} us")
+    print(f"  ingress               {ingress_cpu:,.0f} us   (+ Redis {redis_cpu:,.0f} us)")
+    print(f"  ratio bare/ingress    {bare_cpu / ingress_cpu:.0%}   jobs queued: {queued:,}")
     print(f"open loop at {args.rate} req/s for {args.latency_seconds:.0f}s: ", end="")
     print(f"p50 {p50 * 1000:.2f} ms, p99 {p99 * 1000:.2f} ms, max {max(latencies) * 1000:.2f} ms")
     print(f"  (goal p99 < 10 ms)   requests: {len(latencies):,}")

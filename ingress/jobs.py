@@ -186,7 +186,9 @@ class JobTemplate:
                     frame[-1] += _bulk(arg)
                 else:
                     frame.append(_bulk(arg))
-        self._frame = frame
+        #: Constant parts as they are, slots as b"" to be filled in.
+        self._parts = [part if isinstance(part, bytes) else b"" for part in frame]
+        self._slot_at = [(i, part) for i, part in enumerate(frame) if isinstance(part, _Slot)]
 
     @classmethod
     def from_rq(cls, settings: Settings) -> JobTemplate:
@@ -213,10 +215,10 @@ class JobTemplate:
 
     def pack(self, envelope: Envelope, times: dict[bytes, bytes]) -> PackedJob:
         fill = self._filler(envelope, times)
-        argv = b"".join(
-            part if isinstance(part, bytes) else _bulk(fill(part)) for part in self._frame
-        )
-        return PackedJob(self._argc, argv)
+        parts = self._parts.copy()
+        for index, slot in self._slot_at:
+            parts[index] = _bulk(fill(slot))
+        return PackedJob(self._argc, b"".join(parts))
 
     def render(self, envelope: Envelope, times: dict[bytes, bytes]) -> list[Command]:
         """The job's commands for `envelope`, unpacked (for checks and tests)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 import uuid
@@ -79,7 +80,7 @@ async def _receive(ingress: Ingress, request: Request, line: dict[str, Any]) -> 
     line["bytes"] = len(body)
 
     gateway = get_gateway(endpoint.gateway)
-    headers = _headers(request)
+    headers = _signature_headers(request, gateway.signature_headers)
     try:
         gateway.verify(
             headers,
@@ -97,12 +98,12 @@ async def _receive(ingress: Ingress, request: Request, line: dict[str, Any]) -> 
         return _error(401, "unauthorized")
 
     # Authentic from here on. A body payhook cannot read is queued all the
-    # same: the consumer records it.
+    # same: the consumer records it. Only the signature headers travel.
     line["event_id"] = event_id(gateway.name, headers, body)
     envelope = Envelope(
         endpoint_id=endpoint.id,
         body=body,
-        headers={name: headers[name] for name in gateway.signature_headers if name in headers},
+        headers=headers,
         received_at=datetime.now(UTC),
         delivery_id=str(uuid.uuid4()),
     )
@@ -125,11 +126,18 @@ def _canonical(endpoint_id: str) -> str | None:
         return None
 
 
-def _headers(request: Request) -> dict[str, str]:
-    """The request headers (names lower-case, as ASGI gives them); the first of repeats wins."""
+@functools.cache
+def _encoded(names: tuple[str, ...]) -> frozenset[bytes]:
+    return frozenset(name.encode("latin-1") for name in names)
+
+
+def _signature_headers(request: Request, names: tuple[str, ...]) -> dict[str, str]:
+    """The request's `names` headers, the first of repeats; ASGI gives names lower-case."""
+    wanted = _encoded(names)
     headers: dict[str, str] = {}
     for name, value in request.scope["headers"]:
-        headers.setdefault(name.decode("latin-1"), value.decode("latin-1"))
+        if name in wanted:
+            headers.setdefault(name.decode("latin-1"), value.decode("latin-1"))
     return headers
 
 
