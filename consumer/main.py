@@ -15,6 +15,9 @@ from payhook.settings import Settings
 
 log = structlog.get_logger(__name__)
 
+#: Share of the job timeout one statement may take.
+STATEMENT_SHARE = 0.8
+
 
 def build_worker(settings: Settings) -> PayhookWorker:
     connection = redis_connection(settings)
@@ -33,7 +36,11 @@ def build_worker(settings: Settings) -> PayhookWorker:
 def run(settings: Settings, burst: bool = False) -> int:
     """Run one worker on the events queue until stopped (or the queue is empty, with burst)."""
     configure_logging(settings.log_level)
-    pool = create_pool(settings, "consumer", size=2)
+    # The server ends a statement (a lock wait included) before RQ's job
+    # timeout would interrupt it: the job fails cleanly and RQ retries it.
+    pool = create_pool(
+        settings, "consumer", size=2, statement_timeout=settings.job_timeout * STATEMENT_SHARE
+    )
     pool.open(wait=False)
     try:
         worker = build_worker(settings)

@@ -32,15 +32,29 @@ def connection_kwargs(component: str) -> dict[str, Any]:
     }
 
 
-def create_pool(settings: Settings, component: str, *, size: int | None = None) -> Pool:
-    """A closed pool; the process opens it when it starts (`pool.open()`)."""
+def create_pool(
+    settings: Settings,
+    component: str,
+    *,
+    size: int | None = None,
+    statement_timeout: float | None = None,
+) -> Pool:
+    """A closed pool; the process opens it when it starts (`pool.open()`).
+
+    With `statement_timeout` (seconds), no statement, lock wait included, and
+    no idle transaction may last longer: the server ends it.
+    """
     size = size or settings.db_pool_size
+    kwargs = connection_kwargs(component)
+    if statement_timeout is not None:
+        ms = max(1, int(statement_timeout * 1000))
+        kwargs["options"] = f"-c statement_timeout={ms} -c idle_in_transaction_session_timeout={ms}"
     return ConnectionPool(
         settings.database_url,
         connection_class=psycopg.Connection[Row],
         min_size=1,
         max_size=size,
-        kwargs=connection_kwargs(component),
+        kwargs=kwargs,
         open=False,
         name=component,
         timeout=10,
@@ -72,7 +86,13 @@ def pipelined_transaction(conn: psycopg.Connection[Row]) -> Iterator[psycopg.Pip
             yield pipeline
             conn.execute(query("commit"))
             pipeline.sync()
-        except BaseException:
+        except BaseException as exc:
+            if not isinstance(exc, psycopg.Error):
+                # Interrupted from outside (a job timeout, Ctrl-C) while a
+                # statement may still run, e.g. waiting on a lock: cancel it,
+                # or the sync below would wait for it.
+                with suppress(psycopg.Error):
+                    conn.cancel_safe(timeout=5)
             with suppress(psycopg.Error):
                 pipeline.sync()  # leave the aborted pipeline state
             with suppress(psycopg.Error):

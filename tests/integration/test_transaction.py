@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterator
 
@@ -281,3 +282,35 @@ def test_consumer_follows_secret_rotation(runtime: Runtime, factory: Factory) ->
     assert (
         apply(runtime, factory, shop, StandardEvent(type="customer.created")) == "signature_invalid"
     )
+
+
+def test_job_timeout_while_waiting_on_a_lock_cancels_the_statement(
+    runtime: Runtime, factory: Factory, settings: Settings
+) -> None:
+    """RQ's timeout interrupts a job blocked on a row lock: the job must end then,
+    not when the lock is released, and leave no transaction behind."""
+    from rq.timeouts import JobTimeoutException, UnixSignalDeathPenalty
+
+    shop = factory.shop()
+    order_id = factory.order(shop)
+    job = factory.standard_envelope(shop, StandardEvent()).to_json()
+    released_by_watchdog, done = threading.Event(), threading.Event()
+    with psycopg.connect(str(settings.database_url)) as holder:
+        holder.execute("SELECT 1 FROM payhook.payment_orders WHERE id = %s FOR UPDATE", (order_id,))
+
+        def watchdog() -> None:
+            time.sleep(20)
+            if not done.is_set():
+                released_by_watchdog.set()
+                holder.rollback()
+
+        threading.Thread(target=watchdog, daemon=True).start()
+        try:
+            with pytest.raises(JobTimeoutException), UnixSignalDeathPenalty(1, JobTimeoutException):
+                handle(runtime, job)
+        finally:
+            done.set()
+        assert not released_by_watchdog.is_set(), "the job waited for the lock holder"
+        holder.rollback()
+    assert factory.count("payment_event_receipts") == 0, "the interrupted transaction rolled back"
+    assert handle(runtime, job).outcome == "applied"
