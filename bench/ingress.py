@@ -152,12 +152,15 @@ def signed_requests(secret: str, count: int) -> list[tuple[bytes, dict[str, str]
                 "amount": 1500 + i,
                 "currency": "EUR",
                 "customer": {"email": f"customer{i}@example.com", "country": "NL"},
-                "description": "",
+                "lines": [],
             },
         }
-        body = json.dumps(payload).encode()
-        payload["data"]["description"] = "x" * (BODY_SIZE - len(body))  # type: ignore[index]
-        body = json.dumps(payload).encode()
+        # Line items with ids until the body is BODY_SIZE bytes: as varied (and as
+        # hard to compress) as a real event, unlike padding.
+        lines: list[dict[str, object]] = payload["data"]["lines"]  # type: ignore[index]
+        while len(body := json.dumps(payload).encode()) < BODY_SIZE - 30:
+            n = len(lines)
+            lines.append({"sku": uuid.uuid4().hex[:12], "qty": n % 3 + 1, "price": 250 + n * 7})
         headers = {
             "webhook-id": event_id,
             "webhook-timestamp": str(timestamp),

@@ -65,6 +65,9 @@ class JobWriter:
     async def _run(self) -> None:
         try:
             while self._waiting:
+                # One turn of the event loop: every request already past its
+                # checks joins this batch instead of waiting for the next.
+                await asyncio.sleep(0)
                 # Requests that gave up (timed out, disconnected) are not sent.
                 batch = [(p, f) for p, f in self._waiting[:MAX_BATCH] if not f.done()]
                 del self._waiting[:MAX_BATCH]
