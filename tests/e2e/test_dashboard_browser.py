@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -32,7 +33,8 @@ from tests.processes import process_env, start, stop, wait_until
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
-SCREENSHOT = Path(__file__).resolve().parents[2] / "docs" / "dashboard.png"
+#: Set PAYHOOK_SCREENSHOT=docs/dashboard.png to refresh the README's picture.
+SCREENSHOT = os.environ.get("PAYHOOK_SCREENSHOT")
 USER, PASSWORD = "payhook", "browser-test-password"
 #: Consumer settings that send a failing job to the dead-letter queue quickly:
 #: one retry, after 1 s.
@@ -132,8 +134,9 @@ def test_an_operator_requeues_a_dead_letter_job_in_the_browser_and_it_is_applied
             lambda b: b.find_element(By.CSS_SELECTOR, f"{row} [data-role=requeue-job-btn]")
         )
         assert "permission denied" in browser.find_element(By.CSS_SELECTOR, row).text
-        SCREENSHOT.parent.mkdir(exist_ok=True)
-        assert browser.save_screenshot(str(SCREENSHOT))
+        assert browser.get_screenshot_as_png().startswith(b"\x89PNG")
+        if SCREENSHOT:
+            assert browser.save_screenshot(SCREENSHOT)
 
         button.click()
         wait_until(
