@@ -57,7 +57,7 @@ class Ingress:
 
 
 def create_app(settings: Settings, *, load_endpoints: Loader | None = None) -> Starlette:
-    """The ingress app; `load_endpoints` replaces the PostgreSQL reader (tests, benchmarks)."""
+    """The ingress app; `load_endpoints` replaces the PostgreSQL reader (tests)."""
     ingress = Ingress(settings, load_endpoints)
 
     @contextlib.asynccontextmanager

@@ -19,6 +19,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.connection import AbstractConnection, ConnectionPool
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 
 from ingress.jobs import JobTemplate, PackedJob, pack_jobs
@@ -27,7 +28,7 @@ from payhook.errors import PayhookError
 from payhook.settings import Settings
 
 #: Most jobs in one `EVAL`; Redis runs a script without interruption, so
-#: this bounds how long one batch holds it (about 10 µs a job).
+#: this bounds how long one batch holds it.
 MAX_BATCH = 256
 #: Connections per process: one for the writer, the others for probes.
 REDIS_CONNECTIONS = 4
@@ -80,8 +81,10 @@ class JobWriter:
         try:
             # Unannotated in redis-py; returns a connected AbstractConnection.
             connection: AbstractConnection = await self._pool.get_connection()  # type: ignore[no-untyped-call]
-        except (RedisError, OSError) as exc:
-            _settle_all(batch, exc)
+        except BaseException as exc:
+            _settle_all(batch, _as_error(exc))
+            if not isinstance(exc, Exception):
+                raise
             return
         try:
             await connection.send_packed_command(
@@ -98,11 +101,17 @@ class JobWriter:
         except BaseException as exc:
             # Replies may be left unread: the connection is out of step, drop it.
             await _disconnect(connection)
-            _settle_all(batch, exc if isinstance(exc, Exception) else EnqueueFailed("cancelled"))
+            _settle_all(batch, _as_error(exc))
             if not isinstance(exc, Exception):
                 raise
         finally:
             await self._pool.release(connection)
+
+
+def _as_error(exc: BaseException) -> Exception:
+    """What a waiting request gets: the failure itself, or for a cancelled writer
+    (shutdown) a connection error, which it answers with a 503."""
+    return exc if isinstance(exc, Exception) else RedisConnectionError("the writer stopped")
 
 
 def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:

@@ -99,7 +99,7 @@ async def _receive(ingress: Ingress, request: Request, line: dict[str, Any]) -> 
 
     # Authentic from here on. A body payhook cannot read is queued all the
     # same: the consumer records it. Only the signature headers travel.
-    line["event_id"] = event_id(gateway.name, headers, body)
+    line["event_id"] = read_event_id(gateway.name, headers, body)
     envelope = Envelope(
         endpoint_id=endpoint.id,
         body=body,
@@ -141,7 +141,7 @@ def _signature_headers(request: Request, names: tuple[str, ...]) -> dict[str, st
     return headers
 
 
-def event_id(gateway: str, headers: dict[str, str], body: bytes) -> str | None:
+def read_event_id(gateway: str, headers: dict[str, str], body: bytes) -> str | None:
     """The event id of an authentic request, for the log line; None if unreadable."""
     if gateway == "standard":
         return headers.get("webhook-id")

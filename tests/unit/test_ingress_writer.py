@@ -1,0 +1,104 @@
+"""The batched job writer, against a fake connection: what is sent, and who hears what."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+
+from ingress.enqueue import JobWriter
+from ingress.jobs import PackedJob, pack_commands, pack_jobs
+
+
+class FakeConnection:
+    def __init__(self, reply: Any) -> None:
+        self.reply = reply
+        self.sent: list[bytes] = []
+        self.disconnected = False
+
+    async def send_packed_command(self, command: bytes, check_health: bool = True) -> None:
+        self.sent.append(command)
+
+    async def read_response(self) -> Any:
+        await asyncio.sleep(0)
+        if isinstance(self.reply, Exception):
+            raise self.reply
+        return self.reply
+
+    async def disconnect(self) -> None:
+        self.disconnected = True
+
+
+class FakePool:
+    def __init__(self, connection: FakeConnection) -> None:
+        self.connection = connection
+        self.released = 0
+
+    async def get_connection(self) -> FakeConnection:
+        return self.connection
+
+    async def release(self, connection: FakeConnection) -> None:
+        self.released += 1
+
+
+def job(name: bytes) -> PackedJob:
+    return pack_commands([[b"RPUSH", b"q", name]])
+
+
+def writer(reply: Any) -> tuple[JobWriter, FakeConnection, FakePool]:
+    connection = FakeConnection(reply)
+    pool = FakePool(connection)
+    return JobWriter(pool), connection, pool  # type: ignore[arg-type]
+
+
+def test_jobs_waiting_together_go_in_one_eval() -> None:
+    jobs_writer, connection, pool = writer(1)
+
+    async def scenario() -> None:
+        await asyncio.gather(*(jobs_writer.write(job(b"%d" % i)) for i in range(5)))
+
+    asyncio.run(scenario())
+    assert connection.sent == [pack_jobs([job(b"%d" % i) for i in range(5)])]
+    assert pool.released == 1
+
+
+def test_a_job_whose_request_gave_up_is_never_sent() -> None:
+    jobs_writer, connection, _ = writer(1)
+
+    async def scenario() -> None:
+        kept = asyncio.create_task(jobs_writer.write(job(b"kept")))
+        gave_up = asyncio.create_task(jobs_writer.write(job(b"gave-up")))
+        await asyncio.sleep(0)  # both are waiting; the writer has not sent yet
+        gave_up.cancel()
+        await kept
+
+    asyncio.run(scenario())
+    assert connection.sent == [pack_jobs([job(b"kept")])]
+
+
+def test_an_error_reply_fails_every_job_of_the_batch() -> None:
+    jobs_writer, connection, _ = writer(ResponseError("OOM command not allowed"))
+
+    async def scenario() -> list[BaseException | None]:
+        results = await asyncio.gather(
+            jobs_writer.write(job(b"a")), jobs_writer.write(job(b"b")), return_exceptions=True
+        )
+        return list(results)
+
+    results = asyncio.run(scenario())
+    assert all(isinstance(result, ResponseError) for result in results)
+    assert not connection.disconnected  # the reply was read: still in step
+
+
+def test_a_lost_connection_fails_the_batch_and_is_dropped() -> None:
+    jobs_writer, connection, pool = writer(RedisConnectionError("reset by peer"))
+
+    async def scenario() -> None:
+        await jobs_writer.write(job(b"a"))
+
+    with pytest.raises(RedisConnectionError):
+        asyncio.run(scenario())
+    assert connection.disconnected and pool.released == 1
