@@ -1,4 +1,4 @@
-"""The Redis commands of one event job, exactly as RQ writes them.
+"""The Redis commands of one event job, as RQ writes them.
 
 `payhook.queue.enqueue_event` stays the one definition of a job. At start the
 ingress runs it against a connection that only records commands (no I/O),
@@ -7,8 +7,10 @@ job to the next: the job id, the compressed call data and two timestamps.
 Each request fills them in; no RQ object is built on the request path.
 
 A second recording, for another envelope, must come out identical to the
-template rendered for that envelope; if RQ ever writes something else per job,
-the ingress refuses to start rather than write jobs the workers cannot run.
+template rendered for that envelope (the call data compared decompressed: it
+is compressed faster than RQ does, and RQ reads any zlib level); if RQ ever
+writes something else per job, the ingress refuses to start rather than write
+jobs the workers cannot run.
 
 On the wire, jobs are the arguments of an `EVAL` of `REPLAY_SCRIPT`, which
 runs their commands atomically; one `EVAL` carries every job of a batch. A
