@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import importlib.util
 import json
@@ -128,6 +129,17 @@ class LineWriter:
         return False
 
 
+#: prctl option: the signal a process gets when its parent exits.
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when `payhook up` dies, even by SIGKILL (Linux)."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 class Child:
     """One supervised process, leader of its own process group."""
 
@@ -150,6 +162,7 @@ class Child:
             errors="replace",
             bufsize=1,
             start_new_session=True,
+            preexec_fn=_die_with_parent,
         )
         self._reader = threading.Thread(target=self._copy, name=f"out-{self.name}", daemon=True)
         self._reader.start()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -185,3 +186,26 @@ def test_up_uses_the_configured_services_and_stops_all_when_a_child_dies(
         if up.poll() is None:
             up.kill()
             up.wait()
+
+
+@pytest.mark.slow
+def test_children_stop_when_up_itself_is_killed(settings: Settings, tmp_path: Path) -> None:
+    """SIGKILL leaves `up` no chance to clean up: its children must notice on their own."""
+    env = process_env(settings)
+    up, log = start_up(
+        ["--port", str(free_port()), "--dashboard-port", str(free_port()), "--consumers", "1"],
+        env,
+        tmp_path,
+    )
+    try:
+        wait_for_banner(up, log)
+        children = psutil.Process(up.pid).children(recursive=True)
+        assert len(children) >= 4
+        up.kill()
+        up.wait(timeout=10)
+        wait_until(lambda: alive(children) == [], 30, "every child of the killed `up` to exit")
+    finally:
+        for child in psutil.Process().children(recursive=True):
+            if child.pid != os.getpid():
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    child.kill()
