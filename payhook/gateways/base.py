@@ -103,7 +103,7 @@ def any_signature_matches(expected: Sequence[bytes], given: Sequence[bytes]) -> 
 def load_json_object(body: bytes) -> dict[str, Any]:
     try:
         data = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise MalformedEvent(f"body is not JSON: {exc.__class__.__name__}") from None
     if not isinstance(data, dict):
         raise MalformedEvent("body is not a JSON object")
