@@ -320,8 +320,12 @@ class Stack:
         client = Redis.from_url(self.redis.url)
         try:
             queue = events_queue(client, self.settings)
+            # A job a worker had just popped when Redis died waits in RQ's
+            # intermediate list until a maintenance pass (after a minute)
+            # sends it back through the retry path.
             return (
                 queue.count == 0
+                and client.llen(queue.intermediate_queue.key) == 0
                 and StartedJobRegistry(queue=queue).count == 0
                 and ScheduledJobRegistry(queue=queue).count == 0
             )
