@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import json
+import os
+import signal
 import time
 import uuid
 from datetime import UTC, datetime
@@ -35,6 +37,8 @@ REASONS = {
     "TimestampOutOfTolerance": "timestamp_out_of_tolerance",
 }
 JSON = "application/json"
+#: Fault point for tests: SIGKILL this process once a job is queued, before answering.
+FAULT_KILL_AFTER_ENQUEUE = "ingress_kill_after_enqueue"
 
 
 def _error(status: int, error: str, headers: dict[str, str] | None = None) -> Response:
@@ -115,6 +119,9 @@ async def _receive(ingress: Ingress, request: Request, line: dict[str, Any]) -> 
         line["error"] = str(exc)
         return _error(503, "unavailable", ingress.retry_after)
     ingress.metrics.enqueue_seconds.observe(seconds)
+    if FAULT_KILL_AFTER_ENQUEUE in ingress.settings.faults:
+        log.warning("fault_kill_after_enqueue", **line)
+        os.kill(os.getpid(), signal.SIGKILL)
     accepted = b'{"delivery_id": "%b"}' % envelope.delivery_id.encode()
     return Response(accepted, status_code=202, media_type=JSON)
 

@@ -7,6 +7,7 @@ tenant of its own, so they cannot see each other's rows.
 
 from __future__ import annotations
 
+import json
 import random
 import signal
 import subprocess
@@ -378,3 +379,42 @@ def test_refund_before_its_payment_is_kept_and_replayed_exactly_once(stack: Stac
             (shop.tenant_id,),
         ).fetchone()
     assert order == {"state": "partially_refunded", "refunded_minor": 1000}
+
+
+def test_ingress_killed_after_enqueue_before_answering_then_retry_has_one_effect(
+    stack: Stack,
+) -> None:
+    shop = stack.shop()
+    stack.order(shop, "lost-ack-1", "pi_lost_ack")
+    event = StandardEvent(merchant_reference="lost-ack-1", gateway_order_id="pi_lost_ack")
+    port = stack.start_ingress(PAYHOOK_FAULTS="ingress_kill_after_enqueue")
+    doomed, _ = stack.ingress.pop()
+    url = f"http://127.0.0.1:{port}/webhooks/{shop.endpoint_id}"
+    assert send(url, event, shop.secret) == 0, "the gateway saw no answer"
+    assert doomed.wait(timeout=10) == -signal.SIGKILL
+    stop(doomed)
+    # The gateway retries what it never saw acknowledged, here through another instance.
+    assert send(stack.url(shop), event, shop.secret) == 202
+    stack.settle(timeout=30)
+    wait_until(lambda: fulfil_key(shop, event) in stack.receiver.keys(), 10, "the fulfilment")
+    assert tenant_counts(stack, shop) == {
+        "receipts": 1,
+        "transitions": 1,
+        "outbox": 1,
+        "exceptions": 0,
+        "anomalies": 0,
+    }
+    assert stack.receiver.keys().count(fulfil_key(shop, event)) == 1
+    with stack.db() as conn:
+        row = conn.execute(
+            "SELECT outcome FROM payhook.payment_event_receipts WHERE tenant_id = %s",
+            (shop.tenant_id,),
+        ).fetchone()
+    assert row == {"outcome": "applied"}
+    outcomes = Counter(
+        json.loads(line)["outcome"]
+        for log in stack.logs.glob("consumer-*.log")
+        for line in log.read_text().splitlines()
+        if event.event_id in line and '"event_applied"' in line
+    )
+    assert outcomes == {"applied": 1, "duplicate": 1}, "both jobs ran: the first was queued"
