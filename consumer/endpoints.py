@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from datetime import datetime
 
 import psycopg
 
@@ -38,6 +39,10 @@ class EndpointCache:
             tenant_id=str(row["tenant_id"]),
             gateway=row["gateway"],
             secrets=tuple(row["secrets"]),
+            retired=tuple(
+                (r["secret"], datetime.fromisoformat(r["retired_at"]))
+                for r in row["retired_secrets"]
+            ),
         )
         self._entries[endpoint_id] = (endpoint, time.monotonic())
         return endpoint, True

@@ -105,7 +105,8 @@ def _count_retries(runtime: Runtime, retries: int) -> None:
 
 def _verify(gateway: Gateway, envelope: Envelope, endpoint: Endpoint) -> None:
     # Freshness was the ingress's check; a retried job may be hours old.
-    gateway.verify(envelope.headers, envelope.body, endpoint.secrets, now=None, tolerance=None)
+    secrets = endpoint.secrets_at(envelope.received_at)
+    gateway.verify(envelope.headers, envelope.body, secrets, now=None, tolerance=None)
 
 
 def _unreadable(envelope: Envelope, exc: MalformedEvent) -> Event:

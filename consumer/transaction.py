@@ -18,6 +18,7 @@ import random
 import time
 import uuid
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 import psycopg
@@ -43,6 +44,13 @@ class Endpoint:
     tenant_id: str
     gateway: str
     secrets: tuple[str, ...]
+    #: Retired secrets and when each was retired.
+    retired: tuple[tuple[str, datetime], ...] = ()
+
+    def secrets_at(self, received_at: datetime) -> tuple[str, ...]:
+        """The secrets that verified at the ingress when a job was received:
+        the active ones, and those retired since."""
+        return self.secrets + tuple(s for s, retired_at in self.retired if retired_at > received_at)
 
 
 @dataclass(frozen=True)

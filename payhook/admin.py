@@ -11,6 +11,10 @@ from payhook.db import Row, execute, fetch_one
 from payhook.errors import NotFound, PayhookError
 from payhook.gateways import generate_secret, get_gateway, standard
 
+#: Days a retired secret still verifies jobs received before its retirement:
+#: longer than a job stays in the dead-letter queue (payhook.queue.FAILURE_TTL).
+RETIRED_SECRET_DAYS = 31
+
 
 class AlreadyExists(PayhookError):
     """A record with that identity already exists."""
@@ -86,7 +90,8 @@ def rotate_endpoint_secret(
 
 def retire_old_secrets(conn: psycopg.Connection[Row], endpoint_id: str) -> None:
     with conn.transaction():
-        if execute(conn, "retire_endpoint_secrets", {"id": _uuid(endpoint_id, "endpoint")}) != 1:
+        params = {"id": _uuid(endpoint_id, "endpoint"), "keep_days": RETIRED_SECRET_DAYS}
+        if execute(conn, "retire_endpoint_secrets", params) != 1:
             raise NotFound(f"no endpoint {endpoint_id}")
 
 

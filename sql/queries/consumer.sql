@@ -1,6 +1,6 @@
 -- get_endpoint --
--- The endpoint a job names, with its tenant, gateway and active secrets.
-SELECT tenant_id, id, gateway, secrets
+-- The endpoint a job names, with its tenant, gateway, active and retired secrets.
+SELECT tenant_id, id, gateway, secrets, retired_secrets
   FROM payhook.webhook_endpoints
  WHERE id = %(endpoint_id)s
 

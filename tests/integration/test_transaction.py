@@ -314,3 +314,21 @@ def test_job_timeout_while_waiting_on_a_lock_cancels_the_statement(
         holder.rollback()
     assert factory.count("payment_event_receipts") == 0, "the interrupted transaction rolled back"
     assert handle(runtime, job).outcome == "applied"
+
+
+def test_job_received_before_its_secret_was_retired_is_still_applied(
+    runtime: Runtime, factory: Factory
+) -> None:
+    """Retiring a secret must not turn events already acknowledged into anomalies."""
+    from payhook import admin
+
+    shop = factory.shop()
+    order_id = factory.order(shop)
+    queued = factory.standard_envelope(shop, StandardEvent())  # received, not yet consumed
+    admin.rotate_endpoint_secret(factory.conn, shop.endpoint_id)
+    admin.retire_old_secrets(factory.conn, shop.endpoint_id)
+    runtime.endpoints.ttl = 0
+    assert handle(runtime, queued.to_json()).outcome == "applied"
+    assert factory.order_state(shop, order_id) == "paid"
+    late = factory.standard_envelope(shop, StandardEvent(type="customer.created"))
+    assert handle(runtime, late.to_json()).outcome == "signature_invalid"
