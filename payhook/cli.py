@@ -153,6 +153,18 @@ def cmd_operations(args: argparse.Namespace, settings: Settings) -> int:
     return run(args, settings)
 
 
+def cmd_retention(args: argparse.Namespace, settings: Settings) -> int:
+    from payhook.retention import run
+
+    return run(args, settings)
+
+
+def cmd_uniqueness(args: argparse.Namespace, settings: Settings) -> int:
+    from payhook.uniqueness import run
+
+    return run(args, settings)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="payhook", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -297,6 +309,37 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("requeue", cmd_operations, "put dead-letter jobs back on the events queue", dlq)
     p.add_argument("job_ids", nargs="*", metavar="JOB_ID")
     p.add_argument("--all", action="store_true", help="every dead-letter event job")
+
+    retention = commands.add_parser(
+        "retention", help="archive old receipts, delete old bookkeeping"
+    ).add_subparsers(dest="action", required=True, metavar="ACTION")
+    p = add(
+        "run",
+        cmd_retention,
+        "move receipts older than PAYHOOK_RECEIPT_RETENTION to the archive; delete delivered "
+        "outbox rows, resolved exceptions and anomalies older than theirs; prints JSON",
+        retention,
+    )
+    p.add_argument("--dry-run", action="store_true", help="count what would go; change nothing")
+
+    uniqueness = commands.add_parser(
+        "uniqueness", help="rows that break a unique rule before it is built"
+    ).add_subparsers(dest="action", required=True, metavar="ACTION")
+    for action, text in (
+        ("check", "find and classify rows breaking the unique rules of pending migrations"),
+        ("resolve", "collapse groups classified as redelivery; copies go to the quarantine"),
+    ):
+        p = add(
+            action, cmd_uniqueness, text + "; JSON per rule, exit 1 while any remain", uniqueness
+        )
+        p.add_argument("--rule", help="only this rule (the index or constraint name)")
+        p.add_argument("--table", help="a rule no migration adds yet: its schema.table")
+        p.add_argument("--columns", help="with --table: the rule's columns, comma-separated")
+        if action == "check":
+            p.add_argument(
+                "--ignore",
+                help="columns that may differ between two copies of one event, comma-separated",
+            )
     return parser
 
 
