@@ -1,0 +1,449 @@
+"""Unique rules added to live tables: find, classify and resolve historical duplicates.
+
+A unique index built over rows that already share a key fails after scanning
+the whole table. Before a migration builds one:
+
+    payhook uniqueness check     find the groups of rows the rule would reject and
+                                 classify each into payhook.uniqueness_conflicts
+    payhook uniqueness resolve   collapse the `redelivery` groups, keeping the first row
+    payhook migrate              refuses while any group remains, and says which kind
+
+`redelivery`: the rows agree on every column except generated ids, arrival
+stamps and the columns named with `--ignore`, so they are one event recorded
+twice, and the copies move to payhook.uniqueness_quarantine. `distinct`: the
+rows differ; they are legitimate records the rule would forbid, and no tool
+decides which of them is wrong: change the rule, or the rows, by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import re
+import sys
+from collections import Counter, defaultdict
+from dataclasses import asdict, dataclass
+from typing import Any, LiteralString
+
+import psycopg
+import structlog
+from psycopg import sql
+from psycopg.types.json import Jsonb
+
+from payhook.db import Row, connect, execute, fetch_all, fetch_one
+from payhook.errors import MigrationError, PayhookError
+from payhook.queries import load_queries, query, sql_root
+from payhook.settings import Settings
+
+log = structlog.get_logger(__name__)
+
+#: Tenant recorded for groups of a table that has no tenant_id column.
+NO_TENANT = "00000000-0000-0000-0000-000000000000"
+#: Tables that are not distributed by tenant (DESIGN.md): their rules need not
+#: begin with tenant_id.
+LOCAL_TABLES = frozenset({"tenants", "security_anomalies", "schema_migrations"})
+#: Groups one resolve transaction collapses.
+RESOLVE_BATCH = 100
+
+_CREATE_UNIQUE = re.compile(r"\bCREATE\s+UNIQUE\s+INDEX\b", re.IGNORECASE)
+_UNIQUE_INDEX = re.compile(
+    r"^\s*CREATE\s+UNIQUE\s+INDEX\s+(?:CONCURRENTLY\s+)?(?:IF\s+NOT\s+EXISTS\s+)?(?P<name>\w+)"
+    r"\s+ON\s+(?:ONLY\s+)?(?P<table>\w+(?:\.\w+)?)\s*(?:USING\s+btree\s*)?"
+    r"\((?P<columns>[^()]*)\)(?P<rest>[^;]*)$",
+    re.IGNORECASE | re.DOTALL,
+)
+_ADD_UNIQUE = re.compile(
+    r"\bALTER\s+TABLE\s+(?:IF\s+EXISTS\s+)?(?:ONLY\s+)?(?P<table>\w+(?:\.\w+)?)\s+"
+    r"ADD\s+CONSTRAINT\s+(?P<name>\w+)\s+UNIQUE\s*(?P<nulls>NULLS\s+NOT\s+DISTINCT\s*)?"
+    r"\((?P<columns>[^()]*)\)",
+    re.IGNORECASE,
+)
+_COLUMN = re.compile(r"^(\w+)(?:\s+(?:ASC|DESC))?$", re.IGNORECASE)
+_WHERE = re.compile(r"\bWHERE\b(?P<predicate>.*)$", re.IGNORECASE | re.DOTALL)
+
+
+class RuleError(PayhookError):
+    """The unique rule cannot be checked."""
+
+
+class UnresolvedConflicts(MigrationError):
+    """Rows of the table already break the unique rule the migration adds."""
+
+
+@dataclass(frozen=True)
+class UniqueRule:
+    """A unique index or constraint a migration adds: its name, table, columns and scope."""
+
+    name: str
+    table: str
+    columns: tuple[str, ...]
+    #: The WHERE of a partial index: SQL from a migration file.
+    predicate: str | None = None
+    #: False for NULLS NOT DISTINCT: rows with nulls in the key conflict too.
+    nulls_distinct: bool = True
+
+
+@dataclass(frozen=True)
+class Group:
+    """Rows that share one key of a rule."""
+
+    tenant_id: str
+    key: dict[str, Any]
+    copies: int
+    versions: int
+    classification: str
+
+
+@dataclass(frozen=True)
+class CheckReport:
+    rule: UniqueRule
+    ignored: tuple[str, ...]
+    groups: list[Group]
+
+    def summary(self) -> dict[str, Any]:
+        kinds = Counter(g.classification for g in self.groups)
+        return {
+            "rule": self.rule.name,
+            "table": self.rule.table,
+            "columns": list(self.rule.columns),
+            "ignored": list(self.ignored),
+            "groups": len(self.groups),
+            "rows": sum(g.copies for g in self.groups),
+            "redelivery": kinds["redelivery"],
+            "distinct": kinds["distinct"],
+            "distinct_examples": [
+                {"tenant_id": g.tenant_id, **g.key}
+                for g in self.groups
+                if g.classification == "distinct"
+            ][:10],
+        }
+
+
+@dataclass(frozen=True)
+class Resolved:
+    rule: str
+    collapsed: int
+    quarantined: int
+    reclassified: int
+
+
+def rules_in(text: str, *, strict: bool = True) -> list[UniqueRule]:
+    """The unique rules a migration's SQL adds (CREATE UNIQUE INDEX, ADD ... UNIQUE (...)).
+
+    A rule on expressions cannot be checked: `RuleError`, or with `strict=False`
+    a warning, and the index build itself is the check.
+    """
+    body = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("--"))
+    rules: list[UniqueRule] = []
+    for statement in body.split(";"):
+        if _CREATE_UNIQUE.search(statement):
+            try:
+                rules.append(_index_rule(statement))
+            except RuleError as exc:
+                if strict:
+                    raise
+                log.warning("unique_rule_unchecked", reason=str(exc))
+        for match in _ADD_UNIQUE.finditer(statement):
+            rules.append(
+                UniqueRule(
+                    name=match["name"],
+                    table=match["table"],
+                    columns=_columns(match["columns"], statement),
+                    nulls_distinct=match["nulls"] is None,
+                )
+            )
+    return rules
+
+
+def _index_rule(statement: str) -> UniqueRule:
+    match = _UNIQUE_INDEX.match(statement)
+    if match is None:
+        raise RuleError(f"cannot read the unique rule of: {' '.join(statement.split())}")
+    rest = match["rest"]
+    where = _WHERE.search(rest)
+    return UniqueRule(
+        name=match["name"],
+        table=match["table"],
+        columns=_columns(match["columns"], statement),
+        predicate=where["predicate"].strip() if where else None,
+        nulls_distinct=re.search(r"\bNULLS\s+NOT\s+DISTINCT\b", rest, re.IGNORECASE) is None,
+    )
+
+
+def _columns(text: str, statement: str) -> tuple[str, ...]:
+    columns = []
+    for part in text.split(","):
+        match = _COLUMN.match(part.strip())
+        if match is None:
+            raise RuleError(
+                f"only plain column lists can be checked, not {part.strip()!r} in: "
+                f"{' '.join(statement.split())}"
+            )
+        columns.append(match.group(1))
+    return tuple(columns)
+
+
+# Table shape and SQL composition
+
+
+@dataclass(frozen=True)
+class _Shape:
+    columns: tuple[str, ...]
+    generated: frozenset[str]
+    stamped: frozenset[str]
+    primary_key: tuple[str, ...]
+    #: The rule begins with a uuid tenant_id, which the report keeps apart.
+    by_tenant: bool
+
+
+def _shape(conn: psycopg.Connection[Row], rule: UniqueRule) -> _Shape:
+    rows = fetch_all(conn, "table_columns", {"table": rule.table})
+    if not rows:
+        raise RuleError(f"{rule.name}: no table {rule.table}")
+    columns = tuple(r["name"] for r in rows)
+    missing = [c for c in rule.columns if c not in columns]
+    if missing:
+        raise RuleError(f"{rule.name}: {rule.table} has no column {', '.join(missing)}")
+    local = rule.table.rsplit(".", 1)[-1] in LOCAL_TABLES
+    if "tenant_id" in columns and not local and rule.columns[0] != "tenant_id":
+        raise RuleError(
+            f"{rule.name}: every unique rule of a tenant table begins with tenant_id, "
+            "so the schema can be distributed by tenant"
+        )
+    keyed = sorted((r for r in rows if r["key_position"]), key=lambda r: r["key_position"])
+    return _Shape(
+        columns=columns,
+        generated=frozenset(r["name"] for r in rows if r["generated"]),
+        stamped=frozenset(r["name"] for r in rows if r["arrival_stamp"]),
+        primary_key=tuple(r["name"] for r in keyed),
+        by_tenant=rule.columns[0] == "tenant_id"
+        and any(r["name"] == "tenant_id" and r["type"] == "uuid" for r in rows),
+    )
+
+
+def _ignored(rule: UniqueRule, shape: _Shape, extra: tuple[str, ...]) -> tuple[str, ...]:
+    unknown = [c for c in extra if c not in shape.columns]
+    if unknown:
+        raise RuleError(f"--ignore: {rule.table} has no column {', '.join(unknown)}")
+    surrogate = {c for c in shape.primary_key if c not in rule.columns}
+    chosen = (shape.generated | shape.stamped | surrogate | set(extra)) - set(rule.columns)
+    return tuple(c for c in shape.columns if c in chosen)
+
+
+def _parts(rule: UniqueRule, shape: _Shape) -> dict[str, sql.Composable]:
+    rest = rule.columns[1:] if shape.by_tenant else rule.columns
+    conditions: list[sql.Composable] = []
+    if rule.nulls_distinct:
+        conditions += [sql.SQL("{} IS NOT NULL").format(sql.Identifier(c)) for c in rule.columns]
+    if rule.predicate:
+        # The predicate is SQL from a migration file: code, not input.
+        conditions.append(sql.SQL("({})").format(sql.SQL(rule.predicate)))
+    return {
+        "table": sql.Identifier(*rule.table.split(".")),
+        "columns": sql.SQL(", ").join(map(sql.Identifier, rule.columns)),
+        "tenant": sql.SQL("coalesce(tenant_id, {}::uuid)").format(sql.Literal(NO_TENANT))
+        if shape.by_tenant
+        else sql.SQL("{}::uuid").format(sql.Literal(NO_TENANT)),
+        "key": sql.SQL("jsonb_build_object({})").format(
+            sql.SQL(", ").join(
+                sql.SQL("{}, {}").format(sql.Literal(c), sql.Identifier(c)) for c in rest
+            )
+        ),
+        "scope": sql.SQL(" AND ").join(conditions) if conditions else sql.SQL("true"),
+        "order": sql.SQL(", ").join(sql.Identifier("t", c) for c in shape.primary_key)
+        if shape.primary_key
+        else sql.SQL("t.ctid"),
+    }
+
+
+@functools.cache
+def _templates() -> dict[str, LiteralString]:
+    return load_queries(sql_root() / "templates")
+
+
+def _template(name: str, parts: dict[str, sql.Composable]) -> sql.Composed:
+    return sql.SQL(_templates()[name]).format(**parts)
+
+
+# Check, resolve, guard
+
+
+def check_rule(
+    conn: psycopg.Connection[Row], rule: UniqueRule, ignore: tuple[str, ...] = ()
+) -> CheckReport:
+    """Find and classify the groups of rows the rule would reject; record them in the report."""
+    shape = _shape(conn, rule)
+    ignored = _ignored(rule, shape, ignore)
+    parts = _parts(rule, shape)
+    with conn.transaction():
+        found = conn.execute(_template("find_conflicts", parts)).fetchall()
+        compared = (
+            conn.execute(
+                _template("compare_conflicts", parts),
+                {
+                    "ignored": list(ignored),
+                    "tenants": [g["tenant_id"] for g in found],
+                    "keys": [Jsonb(g["key"]) for g in found],
+                },
+            ).fetchall()
+            if found
+            else []
+        )
+        groups = [
+            Group(
+                str(r["tenant_id"]),
+                r["key"],
+                r["copies"],
+                r["versions"],
+                "redelivery" if r["versions"] == 1 else "distinct",
+            )
+            for r in compared
+        ]
+        with conn.cursor() as cursor:
+            cursor.executemany(
+                query("record_conflict"),
+                [
+                    {
+                        "tenant_id": g.tenant_id,
+                        "rule": rule.name,
+                        "table_name": rule.table,
+                        "key": Jsonb(g.key),
+                        "copies": g.copies,
+                        "versions": g.versions,
+                        "classification": g.classification,
+                        "ignored": list(ignored),
+                    }
+                    for g in groups
+                ],
+            )
+        execute(conn, "close_vanished_conflicts", {"rule": rule.name})
+    return CheckReport(rule, ignored, sorted(groups, key=lambda g: (g.tenant_id, _canon(g.key))))
+
+
+def resolve_rule(
+    conn: psycopg.Connection[Row], rule: UniqueRule, *, batch: int = RESOLVE_BATCH
+) -> Resolved:
+    """Collapse the rule's open `redelivery` groups: keep the first row, quarantine the copies.
+
+    Each batch of groups is one short transaction that locks only the rows of
+    those groups. A group whose rows no longer agree becomes `distinct`.
+    """
+    parts = _parts(rule, _shape(conn, rule))
+    lock = _template("lock_group_rows", parts)
+    quarantine = _template("quarantine_rows", parts)
+    collapsed = quarantined = reclassified = 0
+    while True:
+        with conn.transaction():
+            groups = fetch_all(conn, "open_redeliveries", {"rule": rule.name, "limit": batch})
+            if not groups:
+                break
+            members: dict[tuple[str, str], list[Row]] = defaultdict(list)
+            for row in conn.execute(
+                lock,
+                {
+                    "ignored": groups[0]["ignored"],
+                    "tenants": [g["tenant_id"] for g in groups],
+                    "keys": [Jsonb(g["key"]) for g in groups],
+                },
+            ).fetchall():
+                members[(str(row["tenant_id"]), _canon(row["key"]))].append(row)
+            doomed: list[str] = []
+            for group in groups:
+                rows = members[(str(group["tenant_id"]), _canon(group["key"]))]
+                where = {
+                    "tenant_id": group["tenant_id"],
+                    "rule": rule.name,
+                    "key": Jsonb(group["key"]),
+                }
+                versions = len({r["content"] for r in rows})
+                if versions > 1:
+                    execute(
+                        conn,
+                        "reclassify_conflict",
+                        where | {"versions": versions, "copies": len(rows)},
+                    )
+                    reclassified += 1
+                    continue
+                doomed += [r["row_ctid"] for r in rows[1:]]
+                collapsed += len(rows) > 1
+                execute(conn, "settle_conflict", where)
+            if doomed:
+                quarantined += conn.execute(
+                    quarantine, {"ctids": doomed, "rule": rule.name, "table_name": rule.table}
+                ).rowcount
+    return Resolved(rule.name, collapsed, quarantined, reclassified)
+
+
+def remaining_conflicts(conn: psycopg.Connection[Row], rule: UniqueRule) -> Counter[str]:
+    """Groups that would make the index build fail now, by classification or `unclassified`."""
+    parts = _parts(rule, _shape(conn, rule))
+    report = fetch_one(conn, "table_exists", {"table": "payhook.uniqueness_conflicts"})
+    if report is None or not report["present"]:  # before the migration that creates it
+        found = conn.execute(_template("find_conflicts", parts)).fetchall()
+        return Counter(unclassified=len(found)) if found else Counter()
+    rows = conn.execute(_template("live_conflicts", parts), {"rule": rule.name}).fetchall()
+    return Counter(r["classification"] or "unclassified" for r in rows)
+
+
+def require_no_conflicts(conn: psycopg.Connection[Row], rule: UniqueRule) -> None:
+    """Refuse (UnresolvedConflicts) while rows of an existing table break the rule."""
+    present = fetch_one(conn, "table_exists", {"table": rule.table})
+    if present is None or not present["present"]:
+        return  # created by the same migration: nothing to conflict with
+    try:
+        counts = remaining_conflicts(conn, rule)
+    except RuleError as exc:
+        raise MigrationError(str(exc)) from exc
+    if not counts:
+        return
+    advice = {
+        "unclassified": "not classified yet: run `payhook uniqueness check`",
+        "redelivery": "the same event recorded twice: run `payhook uniqueness resolve`",
+        "distinct": "legitimate rows the rule forbids: change the rule or the rows by hand",
+    }
+    detail = "; ".join(f"{counts[k]} {advice[k]}" for k in advice if counts[k])
+    raise UnresolvedConflicts(
+        f"{rule.name} on {rule.table}: {sum(counts.values())} groups of rows already share "
+        f"a key ({detail}); report: payhook.uniqueness_conflicts"
+    )
+
+
+def _canon(key: dict[str, Any]) -> str:
+    return json.dumps(key, sort_keys=True)
+
+
+def run(args: argparse.Namespace, settings: Settings) -> int:
+    """`payhook uniqueness check|resolve`: one JSON line per rule; 1 while conflicts remain."""
+    from payhook.migrations import LOCK_TIMEOUT
+
+    rules = _chosen_rules(args, settings)
+    if not rules:
+        print("no pending migration adds a unique rule to check", file=sys.stderr)
+        return 0
+    remaining = False
+    with connect(settings, "uniqueness", options=f"-c lock_timeout={LOCK_TIMEOUT}") as conn:
+        for rule in rules:
+            if args.action == "check":
+                ignore = tuple(c.strip() for c in (args.ignore or "").split(",") if c.strip())
+                summary = check_rule(conn, rule, ignore).summary()
+                remaining |= summary["groups"] > 0
+            else:
+                summary = asdict(resolve_rule(conn, rule))
+                left = remaining_conflicts(conn, rule)
+                summary["remaining"] = dict(left)
+                remaining |= bool(left)
+            print(json.dumps(summary, default=str))
+    return 1 if remaining else 0
+
+
+def _chosen_rules(args: argparse.Namespace, settings: Settings) -> list[UniqueRule]:
+    from payhook.migrations import pending_migrations
+
+    if args.table:
+        if not args.columns or not args.rule:
+            raise RuleError("--table needs --columns and --rule (the index name)")
+        columns = tuple(c.strip() for c in args.columns.split(",") if c.strip())
+        return [UniqueRule(args.rule, args.table, columns)]
+    rules = [r for m in pending_migrations(settings) for r in rules_in(m.path.read_text())]
+    return [r for r in rules if args.rule in (None, r.name)]

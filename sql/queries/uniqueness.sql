@@ -1,0 +1,60 @@
+-- table_columns --
+-- The columns of a table, and what each is: its type, generated (identity or
+-- serial), stamped on arrival (a default of now()), its place in the primary key.
+SELECT a.attname AS name, format_type(a.atttypid, a.atttypmod) AS type,
+       a.attidentity <> ''
+           OR coalesce(pg_get_expr(d.adbin, d.adrelid), '') LIKE 'nextval(%%' AS generated,
+       coalesce(pg_get_expr(d.adbin, d.adrelid), '')
+           IN ('now()', 'CURRENT_TIMESTAMP', 'statement_timestamp()', 'clock_timestamp()')
+           AS arrival_stamp,
+       array_position(pk.indkey::int2[], a.attnum) AS key_position
+  FROM pg_attribute a
+  LEFT JOIN pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
+  LEFT JOIN pg_index pk ON pk.indrelid = a.attrelid AND pk.indisprimary
+ WHERE a.attrelid = to_regclass(%(table)s) AND a.attnum > 0 AND NOT a.attisdropped
+ ORDER BY a.attnum
+
+-- record_conflict --
+-- One group the check found, classified, in the report.
+INSERT INTO payhook.uniqueness_conflicts
+       (tenant_id, rule, table_name, key, copies, versions, classification, ignored)
+VALUES (%(tenant_id)s, %(rule)s, %(table_name)s, %(key)s, %(copies)s, %(versions)s,
+        %(classification)s, %(ignored)s)
+    ON CONFLICT (tenant_id, rule, key) DO UPDATE
+   SET copies = excluded.copies, versions = excluded.versions,
+       classification = excluded.classification, ignored = excluded.ignored,
+       checked_at = now(), resolved_at = NULL
+
+-- close_vanished_conflicts --
+-- After a check: groups of the rule it no longer found are resolved.
+UPDATE payhook.uniqueness_conflicts
+   SET resolved_at = now()
+ WHERE rule = %(rule)s AND resolved_at IS NULL AND checked_at < now()
+
+-- open_conflicts --
+-- The unresolved groups of a rule, as the last check classified them.
+SELECT tenant_id, key, copies, versions, classification, ignored
+  FROM payhook.uniqueness_conflicts
+ WHERE rule = %(rule)s AND resolved_at IS NULL
+ ORDER BY classification, tenant_id, key
+
+-- open_redeliveries --
+-- A batch of unresolved redelivery groups of a rule, for resolve.
+SELECT tenant_id, key, ignored
+  FROM payhook.uniqueness_conflicts
+ WHERE rule = %(rule)s AND classification = 'redelivery' AND resolved_at IS NULL
+ ORDER BY tenant_id, key
+ LIMIT %(limit)s
+
+-- settle_conflict --
+-- A group resolve collapsed, or found already gone.
+UPDATE payhook.uniqueness_conflicts
+   SET resolved_at = now()
+ WHERE tenant_id = %(tenant_id)s AND rule = %(rule)s AND key = %(key)s
+
+-- reclassify_conflict --
+-- A redelivery group whose rows no longer agree: legitimate rows after all.
+UPDATE payhook.uniqueness_conflicts
+   SET classification = 'distinct', versions = %(versions)s, copies = %(copies)s,
+       checked_at = now()
+ WHERE tenant_id = %(tenant_id)s AND rule = %(rule)s AND key = %(key)s

@@ -1,0 +1,59 @@
+-- Templates composed with identifiers by payhook.uniqueness (psycopg.sql):
+-- {table} the qualified table, {columns} the rule's columns, {tenant} and
+-- {key} the tenant and the other key columns as one jsonb, {scope} the rows
+-- the rule covers (its columns not null, its WHERE), {order} the primary key.
+
+-- find_conflicts --
+-- Groups of rows sharing the rule's key. GROUP BY puts nulls together, as
+-- NULLS NOT DISTINCT does; {scope} leaves them out otherwise.
+SELECT {tenant} AS tenant_id, {key} AS key, count(*) AS copies
+  FROM {table}
+ WHERE {scope}
+ GROUP BY {columns}
+HAVING count(*) > 1
+
+-- compare_conflicts --
+-- For the groups found, how many different contents (every column but the
+-- ignored ones) each holds: whole rows are compared for those groups only.
+SELECT {tenant} AS tenant_id, {key} AS key, count(*) AS copies,
+       count(DISTINCT to_jsonb(t) - %(ignored)s::text[]) AS versions
+  FROM {table} AS t
+ WHERE ({tenant}, {key}) IN (SELECT * FROM unnest(%(tenants)s::uuid[], %(keys)s::jsonb[]))
+   AND {scope}
+ GROUP BY {columns}
+
+-- live_conflicts --
+-- The groups that would make the index build fail now, with the report's
+-- classification when the report still describes them (same number of rows).
+WITH live AS (
+    SELECT {tenant} AS tenant_id, {key} AS key, count(*) AS copies
+      FROM {table}
+     WHERE {scope}
+     GROUP BY {columns}
+    HAVING count(*) > 1
+)
+SELECT live.tenant_id, live.key, live.copies,
+       CASE WHEN c.copies = live.copies THEN c.classification END AS classification
+  FROM live
+  LEFT JOIN payhook.uniqueness_conflicts AS c
+    ON c.tenant_id = live.tenant_id AND c.rule = %(rule)s AND c.key = live.key
+   AND c.resolved_at IS NULL
+
+-- lock_group_rows --
+-- The rows of some groups, locked, in primary-key order, with a digest of
+-- their content.
+SELECT t.ctid::text AS row_ctid, {tenant} AS tenant_id, {key} AS key,
+       md5((to_jsonb(t) - %(ignored)s::text[])::text) AS content
+  FROM {table} AS t
+ WHERE ({tenant}, {key}) IN (SELECT * FROM unnest(%(tenants)s::uuid[], %(keys)s::jsonb[]))
+   AND {scope}
+ ORDER BY {order}
+   FOR UPDATE OF t
+
+-- quarantine_rows --
+-- Move surplus copies, whole, from the table into the quarantine.
+WITH moved AS (
+    DELETE FROM {table} AS t WHERE t.ctid = ANY(%(ctids)s::tid[]) RETURNING t.*
+)
+INSERT INTO payhook.uniqueness_quarantine (tenant_id, rule, table_name, key, row_data)
+SELECT {tenant}, %(rule)s, %(table_name)s, {key}, to_jsonb(moved) FROM moved

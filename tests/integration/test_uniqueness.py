@@ -1,0 +1,420 @@
+"""Unique rules on live tables: the pre-check, its classification, and a runner that is careful."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg.types.json import Jsonb
+
+from payhook import migrations
+from payhook.db import Row, connect
+from payhook.errors import MigrationError
+from payhook.migrations import apply_migrations, list_migrations
+from payhook.settings import Settings
+from payhook.uniqueness import (
+    RuleError,
+    UniqueRule,
+    UnresolvedConflicts,
+    check_rule,
+    remaining_conflicts,
+    resolve_rule,
+    rules_in,
+)
+from tests.conftest import PG_SERVER, test_settings
+
+RULE = "payment_exceptions_event_kind_key"
+#: One exception per event and kind, added the live-table way.
+RULE_MIGRATION = f"""-- payhook: no-transaction
+-- One exception per event and kind.
+CREATE UNIQUE INDEX CONCURRENTLY IF NOT EXISTS {RULE}
+    ON payhook.payment_exceptions (tenant_id, event_id, kind);
+DO $$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_constraint WHERE conname = '{RULE}') THEN
+        ALTER TABLE payhook.payment_exceptions
+            ADD CONSTRAINT {RULE} UNIQUE USING INDEX {RULE};
+    END IF;
+END
+$$;
+"""
+EXCEPTIONS_RULE = UniqueRule(RULE, "payhook.payment_exceptions", ("tenant_id", "event_id", "kind"))
+TENANT = str(uuid.uuid4())
+
+
+def folder_with(tmp_path: Path, name: str, text: str) -> Path:
+    """The project's migrations followed by one more."""
+    folder = tmp_path / "migrations"
+    folder.mkdir(exist_ok=True)
+    existing = list_migrations()
+    for migration in existing:
+        shutil.copy(migration.path, folder / migration.path.name)
+    (folder / f"{len(existing) + 1:04d}_{name}.sql").write_text(text)
+    return folder
+
+
+def add_exception(
+    conn: psycopg.Connection[Row],
+    event_id: str,
+    kind: str = "amount_mismatch",
+    detail: dict[str, Any] | None = None,
+    tenant_id: str = TENANT,
+) -> None:
+    conn.execute(
+        "INSERT INTO payhook.payment_exceptions (tenant_id, event_id, kind, detail, event)"
+        " VALUES (%s, %s, %s, %s, %s)",
+        (tenant_id, event_id, kind, Jsonb(detail or {"expected": 1999}), Jsonb({"id": event_id})),
+    )
+
+
+def run_cli(database: str, *args: str) -> subprocess.CompletedProcess[str]:
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("PAYHOOK_")}
+    environ["DATABASE_URL"] = str(test_settings(database).database_url)
+    return subprocess.run(
+        [sys.executable, "-m", "payhook.cli", *args],
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def index_state(conn: psycopg.Connection[Row], name: str = RULE) -> Row | None:
+    return conn.execute(
+        "SELECT x.indisvalid AS valid,"
+        " EXISTS (SELECT 1 FROM pg_constraint k WHERE k.conindid = x.indexrelid) AS constrained"
+        " FROM pg_index x JOIN pg_class c ON c.oid = x.indexrelid WHERE c.relname = %s",
+        (name,),
+    ).fetchone()
+
+
+def recorded(conn: psycopg.Connection[Row]) -> int:
+    row = conn.execute("SELECT max(version) AS v FROM payhook.schema_migrations").fetchone()
+    assert row is not None
+    return int(row["v"])
+
+
+def test_unique_rules_are_read_from_migration_sql() -> None:
+    text = """
+    -- CREATE UNIQUE INDEX commented_out ON payhook.t (tenant_id, x);
+    CREATE INDEX CONCURRENTLY plain ON payhook.t (created_at);
+    CREATE UNIQUE INDEX CONCURRENTLY IF NOT EXISTS one
+        ON payhook.t USING btree (tenant_id, a DESC, b) WHERE resolved_at IS NULL;
+    ALTER TABLE payhook.u ADD CONSTRAINT two UNIQUE NULLS NOT DISTINCT (tenant_id, c);
+    ALTER TABLE payhook.u ADD CONSTRAINT three UNIQUE USING INDEX one;
+    """
+    assert rules_in(text) == [
+        UniqueRule("one", "payhook.t", ("tenant_id", "a", "b"), "resolved_at IS NULL"),
+        UniqueRule("two", "payhook.u", ("tenant_id", "c"), nulls_distinct=False),
+    ]
+    expression = "CREATE UNIQUE INDEX e ON payhook.t (tenant_id, lower(x));"
+    with pytest.raises(RuleError, match="cannot read the unique rule"):
+        rules_in(expression)
+    assert rules_in(expression, strict=False) == [], "the runner leaves it to the build"
+
+
+def test_check_classifies_redeliveries_and_distinct_rows_into_the_report(
+    conn: psycopg.Connection[Row],
+) -> None:
+    add_exception(conn, "evt_twice")
+    add_exception(conn, "evt_twice")
+    add_exception(conn, "evt_twice")
+    add_exception(conn, "evt_differs", detail={"expected": 1})
+    add_exception(conn, "evt_differs", detail={"expected": 2})
+    add_exception(conn, "evt_once")
+    add_exception(conn, "evt_once", kind="unmapped_order")
+
+    report = check_rule(conn, EXCEPTIONS_RULE)
+
+    summary = report.summary()
+    assert (summary["groups"], summary["rows"]) == (2, 5)
+    assert (summary["redelivery"], summary["distinct"]) == (1, 1)
+    assert summary["ignored"] == ["id", "created_at"], "the identity and the arrival stamp"
+    assert summary["distinct_examples"] == [
+        {"tenant_id": TENANT, "event_id": "evt_differs", "kind": "amount_mismatch"}
+    ]
+    rows = conn.execute(
+        "SELECT key, copies, versions, classification FROM payhook.uniqueness_conflicts"
+        " WHERE rule = %s AND resolved_at IS NULL ORDER BY classification",
+        (RULE,),
+    ).fetchall()
+    assert [
+        (r["key"]["event_id"], r["copies"], r["versions"], r["classification"]) for r in rows
+    ] == [
+        ("evt_differs", 2, 2, "distinct"),
+        ("evt_twice", 3, 1, "redelivery"),
+    ]
+
+    conn.execute("DELETE FROM payhook.payment_exceptions WHERE event_id = 'evt_differs'")
+    assert check_rule(conn, EXCEPTIONS_RULE).summary()["groups"] == 1
+    closed = conn.execute(
+        "SELECT resolved_at FROM payhook.uniqueness_conflicts"
+        " WHERE key->>'event_id' = 'evt_differs'"
+    ).fetchone()
+    assert closed is not None and closed["resolved_at"] is not None, "gone since: resolved"
+
+
+def test_columns_named_to_ignore_make_copies_of_one_event_a_redelivery(
+    conn: psycopg.Connection[Row],
+) -> None:
+    add_exception(conn, "evt_1", detail={"attempt": 1})
+    add_exception(conn, "evt_1", detail={"attempt": 2})
+    assert check_rule(conn, EXCEPTIONS_RULE).summary()["distinct"] == 1
+    assert check_rule(conn, EXCEPTIONS_RULE, ("detail",)).summary()["redelivery"] == 1
+    with pytest.raises(RuleError, match="no column nope"):
+        check_rule(conn, EXCEPTIONS_RULE, ("nope",))
+
+
+def test_rows_with_nulls_in_the_key_do_not_conflict(conn: psycopg.Connection[Row]) -> None:
+    add_exception(conn, "evt_1")
+    add_exception(conn, "evt_2")
+    rule = UniqueRule("order_kind", "payhook.payment_exceptions", ("tenant_id", "order_id", "kind"))
+    assert check_rule(conn, rule).groups == [], "order_id is null in both"
+    strict = UniqueRule(rule.name, rule.table, rule.columns, nulls_distinct=False)
+    assert len(check_rule(conn, strict).groups) == 1
+
+
+def test_a_rule_of_a_tenant_table_must_begin_with_tenant_id(
+    conn: psycopg.Connection[Row],
+) -> None:
+    rule = UniqueRule("by_event", "payhook.payment_exceptions", ("event_id", "kind"))
+    with pytest.raises(RuleError, match="begins with tenant_id"):
+        check_rule(conn, rule)
+
+
+def test_migration_waits_for_classification_and_resolution_then_builds_the_rule(
+    conn: psycopg.Connection[Row], settings: Settings, tmp_path: Path
+) -> None:
+    folder = folder_with(tmp_path, "exceptions_event_kind_key", RULE_MIGRATION)
+    before = recorded(conn)
+    add_exception(conn, "evt_twice")
+    add_exception(conn, "evt_twice")
+    add_exception(conn, "evt_ok")
+
+    with pytest.raises(UnresolvedConflicts, match="1 not classified yet"):
+        apply_migrations(settings, folder)
+    assert index_state(conn) is None, "refused before building anything"
+    assert recorded(conn) == before
+
+    check_rule(conn, EXCEPTIONS_RULE)
+    with pytest.raises(UnresolvedConflicts, match="1 the same event recorded twice"):
+        apply_migrations(settings, folder)
+
+    resolved = resolve_rule(conn, EXCEPTIONS_RULE)
+    assert (resolved.collapsed, resolved.quarantined, resolved.reclassified) == (1, 1, 0)
+    assert remaining_conflicts(conn, EXCEPTIONS_RULE) == {}
+
+    assert apply_migrations(settings, folder) == [f"{before + 1:04d}_exceptions_event_kind_key.sql"]
+    assert index_state(conn) == {"valid": True, "constrained": True}
+    kept = conn.execute(
+        "SELECT id FROM payhook.payment_exceptions WHERE event_id = 'evt_twice'"
+    ).fetchall()
+    quarantined = conn.execute(
+        "SELECT row_data, key, table_name FROM payhook.uniqueness_quarantine"
+    ).fetchall()
+    assert len(kept) == 1 and len(quarantined) == 1
+    assert quarantined[0]["row_data"]["id"] > kept[0]["id"], "the first row is the one kept"
+    assert quarantined[0]["row_data"]["event_id"] == "evt_twice"
+    with pytest.raises(psycopg.errors.UniqueViolation) as violation:
+        add_exception(conn, "evt_ok")
+    assert violation.value.diag.constraint_name == RULE
+
+
+def test_distinct_rows_block_the_migration_and_are_never_removed(
+    conn: psycopg.Connection[Row], settings: Settings, tmp_path: Path
+) -> None:
+    folder = folder_with(tmp_path, "exceptions_event_kind_key", RULE_MIGRATION)
+    add_exception(conn, "evt_1", detail={"expected": 1})
+    add_exception(conn, "evt_1", detail={"expected": 2})
+    check_rule(conn, EXCEPTIONS_RULE)
+    assert resolve_rule(conn, EXCEPTIONS_RULE).quarantined == 0
+    with pytest.raises(UnresolvedConflicts, match="1 legitimate rows the rule forbids"):
+        apply_migrations(settings, folder)
+    assert conn.execute("SELECT count(*) AS n FROM payhook.payment_exceptions").fetchone() == {
+        "n": 2
+    }
+
+
+def test_copies_that_stopped_agreeing_before_resolve_are_reclassified_distinct(
+    conn: psycopg.Connection[Row],
+) -> None:
+    add_exception(conn, "evt_1")
+    add_exception(conn, "evt_1")
+    check_rule(conn, EXCEPTIONS_RULE)
+    conn.execute(
+        "UPDATE payhook.payment_exceptions SET detail = '{\"expected\": 5}'"
+        " WHERE id = (SELECT max(id) FROM payhook.payment_exceptions)"
+    )
+    resolved = resolve_rule(conn, EXCEPTIONS_RULE)
+    assert (resolved.quarantined, resolved.reclassified) == (0, 1)
+    assert remaining_conflicts(conn, EXCEPTIONS_RULE) == {"distinct": 1}
+
+
+def test_a_copy_written_after_the_check_is_unclassified(
+    conn: psycopg.Connection[Row], settings: Settings, tmp_path: Path
+) -> None:
+    folder = folder_with(tmp_path, "exceptions_event_kind_key", RULE_MIGRATION)
+    add_exception(conn, "evt_1")
+    add_exception(conn, "evt_1")
+    check_rule(conn, EXCEPTIONS_RULE)
+    add_exception(conn, "evt_1")
+    with pytest.raises(UnresolvedConflicts, match="1 not classified yet"):
+        apply_migrations(settings, folder)
+
+
+def test_an_index_left_invalid_by_a_failed_build_is_dropped_and_built_again(
+    conn: psycopg.Connection[Row], settings: Settings, tmp_path: Path
+) -> None:
+    folder = folder_with(tmp_path, "exceptions_event_kind_key", RULE_MIGRATION)
+    add_exception(conn, "evt_1")
+    add_exception(conn, "evt_1")
+    with pytest.raises(psycopg.errors.UniqueViolation):
+        conn.execute(
+            f"CREATE UNIQUE INDEX CONCURRENTLY {RULE}"
+            " ON payhook.payment_exceptions (tenant_id, event_id, kind)"
+        )
+    assert index_state(conn) == {"valid": False, "constrained": False}
+    conn.execute(
+        "DELETE FROM payhook.payment_exceptions"
+        " WHERE id = (SELECT max(id) FROM payhook.payment_exceptions)"
+    )
+
+    apply_migrations(settings, folder)
+
+    assert index_state(conn) == {"valid": True, "constrained": True}
+
+
+def test_a_build_that_fails_leaves_no_invalid_index_behind(
+    conn: psycopg.Connection[Row],
+    settings: Settings,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Duplicates written between the pre-check and the build: the build fails cleanly."""
+    folder = folder_with(tmp_path, "exceptions_event_kind_key", RULE_MIGRATION)
+    add_exception(conn, "evt_1")
+    add_exception(conn, "evt_1")
+    monkeypatch.setattr(migrations, "require_no_conflicts", lambda conn, rule: None)
+    with pytest.raises(MigrationError, match="could not create unique index"):
+        apply_migrations(settings, folder)
+    assert index_state(conn) is None
+
+
+def test_blocked_ddl_gives_up_after_lock_timeout_and_writers_go_on(
+    conn: psycopg.Connection[Row], settings: Settings, tmp_path: Path
+) -> None:
+    folder = folder_with(
+        tmp_path, "exceptions_note", "ALTER TABLE payhook.payment_exceptions ADD COLUMN note text;"
+    )
+    before = recorded(conn)
+    with connect(settings, "reader") as reader, reader.transaction():
+        reader.execute("SELECT count(*) FROM payhook.payment_exceptions")  # a long reader
+        with pytest.raises(MigrationError, match="no lock within lock_timeout in 1 tries"):
+            apply_migrations(settings, folder, lock_timeout="200ms", lock_attempts=1)
+        add_exception(conn, "evt_written_while_the_reader_runs")
+    assert recorded(conn) == before
+    assert apply_migrations(settings, folder, lock_timeout="200ms", lock_attempts=1)
+
+
+def test_blocked_ddl_is_tried_again_until_the_lock_is_free(
+    conn: psycopg.Connection[Row], settings: Settings, tmp_path: Path
+) -> None:
+    folder = folder_with(
+        tmp_path, "exceptions_note", "ALTER TABLE payhook.payment_exceptions ADD COLUMN note text;"
+    )
+    applied: list[list[str]] = []
+    errors: list[BaseException] = []
+
+    def migrate() -> None:
+        try:
+            applied.append(
+                apply_migrations(settings, folder, lock_timeout="300ms", lock_attempts=5)
+            )
+        except BaseException as exc:
+            errors.append(exc)
+
+    with connect(settings, "reader") as reader, reader.transaction():
+        reader.execute("SELECT count(*) FROM payhook.payment_exceptions")
+        runner = threading.Thread(target=migrate)
+        runner.start()
+        waits = set()
+        deadline = time.monotonic() + 30
+        while len(waits) < 2 and time.monotonic() < deadline:
+            row = conn.execute(
+                "SELECT query_start FROM pg_stat_activity WHERE datname = current_database()"
+                " AND application_name = 'payhook-migrate' AND wait_event_type = 'Lock'"
+            ).fetchone()
+            if row is not None:
+                waits.add(row["query_start"])
+            time.sleep(0.02)
+        assert len(waits) == 2, "the ALTER waited, gave up, and waited again"
+    runner.join(timeout=30)
+    assert errors == [] and len(applied[0]) == 1
+
+
+def test_a_database_without_the_report_refuses_conflicts_as_unclassified(
+    tmp_path: Path,
+) -> None:
+    """A rule on a table of a database migrated before the report existed."""
+    name = f"payhook_test_bare_{uuid.uuid4().hex[:10]}"
+    (tmp_path / "0001_table.sql").write_text(
+        "CREATE TABLE public.t (tenant_id uuid, x int);"
+        f" INSERT INTO public.t VALUES ('{TENANT}', 1), ('{TENANT}', 1), ('{TENANT}', 2);"
+    )
+    (tmp_path / "0002_index.sql").write_text(
+        "-- payhook: no-transaction\n"
+        "CREATE UNIQUE INDEX CONCURRENTLY t_key ON public.t (tenant_id, x);\n"
+    )
+    settings = test_settings(name)
+    try:
+        with pytest.raises(UnresolvedConflicts, match="1 not classified yet"):
+            apply_migrations(settings, tmp_path)
+        with connect(settings) as conn:
+            conn.execute("DELETE FROM public.t WHERE x = 2")
+            conn.execute("UPDATE public.t SET x = 2 WHERE ctid = (SELECT min(ctid) FROM public.t)")
+        assert apply_migrations(settings, tmp_path) == ["0002_index.sql"]
+    finally:
+        with psycopg.connect(f"{PG_SERVER}/postgres", autocommit=True) as admin:
+            admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")  # type: ignore[arg-type]
+
+
+def test_uniqueness_commands_check_then_resolve(
+    conn: psycopg.Connection[Row], database: str
+) -> None:
+    add_exception(conn, "evt_1")
+    add_exception(conn, "evt_1")
+    rule = ["--rule", RULE, "--table", "payhook.payment_exceptions"]
+    rule += ["--columns", "tenant_id,event_id,kind"]
+    check = run_cli(database, "uniqueness", "check", *rule)
+    assert check.returncode == 1, check.stderr
+    assert json.loads(check.stdout) | {"ignored": None} == {
+        "rule": RULE,
+        "table": "payhook.payment_exceptions",
+        "columns": ["tenant_id", "event_id", "kind"],
+        "ignored": None,
+        "groups": 1,
+        "rows": 2,
+        "redelivery": 1,
+        "distinct": 0,
+        "distinct_examples": [],
+    }
+    resolve = run_cli(database, "uniqueness", "resolve", *rule)
+    assert resolve.returncode == 0, resolve.stderr
+    assert json.loads(resolve.stdout)["quarantined"] == 1
+    assert run_cli(database, "uniqueness", "check", *rule).returncode == 0
+
+
+def test_without_a_pending_rule_the_check_has_nothing_to_do(database: str) -> None:
+    result = run_cli(database, "uniqueness", "check")
+    assert result.returncode == 0
+    assert "no pending migration" in result.stderr
