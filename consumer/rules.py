@@ -22,6 +22,7 @@ EXCEPTION_OUTCOMES = frozenset(
         "invalid_transition",
         "second_payment",
         "malformed",
+        "beyond_horizon",
     }
 )
 

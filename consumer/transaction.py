@@ -1,7 +1,8 @@
 """The one transaction that applies an authentic event, exactly once.
 
     1 insert the receipt (tenant_id, event_id) ON CONFLICT DO NOTHING
-    2 it existed: stop (a different digest is a security anomaly)
+    2 it existed, live or archived: stop (a different digest is a security
+      anomaly); its gateway timestamp is beyond the horizon: refuse it
     3 lock the mapped order FOR UPDATE
     4 compare identifiers, amount, currency and state   (consumer.rules)
     5 one forward transition and its audit row
@@ -10,6 +11,12 @@
 
 Locks are always taken receipt first, then order, so two events never wait
 on each other in opposite orders.
+
+Retention moves old receipts to an archive in transactions that delete the
+live row and insert the archived one at once. The archive is read by a
+statement after the insert, not inside it: an insert that waited for a
+retention batch to commit runs on a snapshot from before that commit, the
+next statement sees the archived identity.
 """
 
 from __future__ import annotations
@@ -25,9 +32,10 @@ import psycopg
 import structlog
 from psycopg.types.json import Jsonb
 
-from consumer.rules import Decision, Order, decide
+from consumer.rules import EXCEPTION_OUTCOMES, Decision, Order, decide
 from payhook.db import Row, execute, fetch_one, pipelined_transaction
 from payhook.gateways import Event
+from payhook.horizon import DEFAULT_RECEIPT_RETENTION, beyond_horizon, receipt_horizon
 from payhook.queries import query
 
 log = structlog.get_logger(__name__)
@@ -79,12 +87,15 @@ def apply_with_retries(
     *,
     retries: int,
     forced_outcome: str | None = None,
+    horizon: datetime | None = None,
 ) -> Applied:
     """`apply_event`, retried on serialization failures and deadlocks with jittered backoff."""
     attempt = 0
     while True:
         try:
-            result = apply_event(conn, endpoint, event, delivery_id, forced_outcome=forced_outcome)
+            result = apply_event(
+                conn, endpoint, event, delivery_id, forced_outcome=forced_outcome, horizon=horizon
+            )
         except RETRYABLE as exc:
             attempt += 1
             log.warning(
@@ -107,13 +118,20 @@ def apply_event(
     delivery_id: str,
     *,
     forced_outcome: str | None = None,
+    horizon: datetime | None = None,
 ) -> Applied:
     """Apply one authentic event in one transaction; safe to call any number of times.
 
     `forced_outcome` records the receipt with that outcome and changes nothing
     else (`ignored` for unknown types, `malformed` for unreadable bodies).
+    An event whose gateway timestamp is older than `horizon` (default: now
+    minus the default receipt retention) is refused the same way, with the
+    outcome `beyond_horizon` and an exception row.
     """
     key = {"tenant_id": endpoint.tenant_id, "event_id": event.event_id}
+    horizon = horizon or receipt_horizon(DEFAULT_RECEIPT_RETENTION)
+    if forced_outcome is None and beyond_horizon(event.occurred_at, horizon):
+        forced_outcome = "beyond_horizon"
     acting = forced_outcome is None and event.kind is not None
     # Pipeline mode: BEGIN, the receipt insert and the order lock travel in
     # one round trip; the writes and COMMIT in a second.
@@ -130,6 +148,7 @@ def apply_event(
                 "occurred_at": event.occurred_at,
             },
         )
+        archived = conn.execute(query("find_archived_receipt"), key)
         # Locked after the receipt, in the same transaction: the lock order
         # is always receipt, then order. A duplicate holds it only briefly.
         locked = (
@@ -144,14 +163,27 @@ def apply_event(
             if acting
             else None
         )
-        if receipt.fetchone() is None:
+        inserted = receipt.fetchone() is not None
+        if inserted and archived.fetchone() is not None:
+            # Archived, perhaps while the insert waited for that batch: the
+            # event was handled long ago. Take the new receipt back.
+            conn.execute(query("delete_receipt"), key)
+            inserted = False
+        if not inserted:
             return _duplicate(conn, endpoint, event, delivery_id)
 
         if locked is None:
             outcome = forced_outcome or "ignored"
             exception_id = None
-            if outcome == "malformed":
-                exception_id = record_exception(conn, endpoint, event, None, Decision(outcome))
+            if outcome in EXCEPTION_OUTCOMES:
+                detail = (
+                    {"occurred_at": event.occurred_at.isoformat(), "horizon": horizon.isoformat()}
+                    if outcome == "beyond_horizon" and event.occurred_at
+                    else {}
+                )
+                exception_id = record_exception(
+                    conn, endpoint, event, None, Decision(outcome, detail=detail)
+                )
             mark_receipt(conn, key, outcome, None)
             return Applied(outcome, exception_id=exception_id)
 
@@ -177,7 +209,7 @@ def _duplicate(
     existing = fetch_one(
         conn, "get_receipt", {"tenant_id": endpoint.tenant_id, "event_id": event.event_id}
     )
-    assert existing is not None, "the conflicting receipt is committed"
+    assert existing is not None, "the conflicting receipt is committed, live or archived"
     if existing["payload_sha256"] == event.digest:
         return Applied("duplicate")
     execute(

@@ -14,11 +14,29 @@ VALUES (%(tenant_id)s, %(event_id)s, %(event_type)s, %(digest)s, %(endpoint_id)s
 ON CONFLICT (tenant_id, event_id) DO NOTHING
 RETURNING event_id
 
+-- find_archived_receipt --
+-- Step 2: whether retention archived the identity. A statement of its own,
+-- after the insert, so it sees a retention batch the insert waited for.
+SELECT 1 AS archived
+  FROM payhook.payment_event_receipts_archive
+ WHERE tenant_id = %(tenant_id)s AND event_id = %(event_id)s
+
+-- delete_receipt --
+-- Take back the receipt just inserted for an identity found in the archive.
+DELETE FROM payhook.payment_event_receipts
+ WHERE tenant_id = %(tenant_id)s AND event_id = %(event_id)s
+
 -- get_receipt --
--- The receipt that made a delivery a duplicate.
+-- The receipt that made a delivery a duplicate, live or archived. One
+-- snapshot sees it in one of the two: retention moves it in one transaction.
 SELECT payload_sha256, outcome, processed_at
   FROM payhook.payment_event_receipts
  WHERE tenant_id = %(tenant_id)s AND event_id = %(event_id)s
+ UNION ALL
+SELECT encode(payload_sha256, 'hex'), outcome, processed_at
+  FROM payhook.payment_event_receipts_archive
+ WHERE tenant_id = %(tenant_id)s AND event_id = %(event_id)s
+ LIMIT 1
 
 -- lock_order --
 -- Step 3: the order either identifier maps to, locked; two rows mean the
