@@ -36,7 +36,8 @@ def test_settings(database: str, **extra: str) -> Settings:
     env = {
         "DATABASE_URL": f"{PG_SERVER}/{database}",
         "REDIS_URL": REDIS_TEST_URL,
-        "PAYHOOK_QUEUE": "payhook-test-events",
+        # A queue of its own per test: a stray worker of another run cannot take its jobs.
+        "PAYHOOK_QUEUE": f"payhook-test-{database}",
     } | extra
     return Settings.from_env(env)
 
