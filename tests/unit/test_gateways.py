@@ -22,6 +22,14 @@ from payhook.gateways.stripe import StripeGateway
 from tests.factories import StandardEvent, stripe_body
 
 NOW = time.time()
+
+
+@pytest.fixture(autouse=True)
+def fresh_now(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOW is the time of each test, not of the import: the libraries check their own clock."""
+    monkeypatch.setitem(globals(), "NOW", time.time())
+
+
 PAYMENT = b'{"type": "payment.succeeded", "data": {"gateway_order_id": "g", %b}}'
 
 
