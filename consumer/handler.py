@@ -20,6 +20,7 @@ from payhook.db import Pool, Row, execute
 from payhook.envelope import Envelope, MalformedJob
 from payhook.errors import MalformedEvent, SignatureError, SignatureMismatch
 from payhook.gateways import Event, Gateway, get_gateway
+from payhook.horizon import receipt_horizon
 from payhook.settings import Settings
 
 log = structlog.get_logger(__name__)
@@ -87,6 +88,7 @@ def handle(runtime: Runtime, data: object) -> Applied:
                 envelope.delivery_id,
                 retries=runtime.settings.serialization_retries,
                 forced_outcome=forced,
+                horizon=receipt_horizon(runtime.settings.receipt_retention),
             )
         except TooManyRetries as exc:
             _count_retries(runtime, exc.attempts)

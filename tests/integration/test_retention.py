@@ -10,6 +10,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import replace
 from datetime import UTC, datetime
 
 import psycopg
@@ -452,3 +453,22 @@ def test_retention_command_refuses_a_retention_inside_the_redelivery_window(
     result = run_cli(database, "retention", "run", PAYHOOK_RECEIPT_RETENTION="7d")
     assert result.returncode == 2
     assert "PAYHOOK_RECEIPT_RETENTION" in result.stderr and "37d" in result.stderr
+
+
+def test_the_configured_retention_sets_the_horizon(
+    runtime: Runtime, factory: Factory, settings: Settings
+) -> None:
+    """PAYHOOK_RECEIPT_RETENTION=40d: a 45-day-old event is refused, a 35-day-old one applied."""
+    shorter = Runtime(
+        settings=replace(settings, receipt_retention=40 * DAY),
+        pool=runtime.pool,
+        redis=runtime.redis,
+    )
+    shop = factory.shop()
+    factory.order(shop)
+    old = StandardEvent(timestamp=int(time.time()) - 45 * DAY)
+    recent = StandardEvent(timestamp=int(time.time()) - 35 * DAY)
+    assert (
+        handle(shorter, factory.standard_envelope(shop, old).to_json()).outcome == "beyond_horizon"
+    )
+    assert handle(shorter, factory.standard_envelope(shop, recent).to_json()).outcome == "applied"
