@@ -78,6 +78,11 @@ def replay_exception(
         if row["resolved_at"] is not None:
             return Replay(**base, outcome="resolved", resolved=True, changed=False, dry_run=dry_run)
 
+        if row["kind"] == "beyond_horizon":
+            raise NotReplayable(
+                f"exception {exception_id} is an event older than the retention horizon: "
+                "applying it could repeat an effect whose receipt is gone; resolve it by hand"
+            )
         event, endpoint_id = _stored_event(row)
         if event.kind is None:
             raise NotReplayable(

@@ -44,6 +44,7 @@ DEFAULT_RETRY_THRESHOLD = 20
 SIGNALS = (
     "digest_conflicts",
     "unmapped_events",
+    "late_events",
     "serialization_retries",
     "outbox_overdue",
     "outbox_dead",
@@ -136,6 +137,12 @@ def read_signals(
             int(row["unmapped_events"]),
             0,
             "authentic events not mapped to an order (open exceptions)",
+        ),
+        Signal(
+            "late_events",
+            int(row["late_events"]),
+            0,
+            "authentic events refused as older than the retention horizon (open exceptions)",
         ),
         Signal(
             "serialization_retries",

@@ -1,7 +1,8 @@
 -- count_alert_signals --
 -- The alert signals PostgreSQL holds, in one round trip: payload-digest
 -- conflicts detected in the last %(window)s seconds, unresolved exceptions of
--- authentic events that named no order, outbox rows still pending
+-- authentic events that named no order, unresolved refusals of events older
+-- than the retention horizon, outbox rows still pending
 -- %(sla)s seconds after they were written, and dead outbox rows.
 SELECT
     (SELECT count(*)
@@ -11,6 +12,9 @@ SELECT
     (SELECT count(*)
        FROM payhook.payment_exceptions
       WHERE kind = 'unmapped_order' AND resolved_at IS NULL) AS unmapped_events,
+    (SELECT count(*)
+       FROM payhook.payment_exceptions
+      WHERE kind = 'beyond_horizon' AND resolved_at IS NULL) AS late_events,
     (SELECT count(*)
        FROM payhook.payment_outbox
       WHERE state = 'pending'

@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import time
 import uuid
 
 import psycopg
@@ -101,6 +102,7 @@ def test_each_signal_counts_what_it_names(
     assert got == {
         "digest_conflicts": 0,
         "unmapped_events": 1,
+        "late_events": 0,
         "serialization_retries": 20,
         "outbox_overdue": 1,
         "outbox_dead": 1,
@@ -165,3 +167,15 @@ def test_check_fails_loudly_when_redis_does_not_answer(settings: Settings) -> No
     failed = check(settings, REDIS_URL=f"redis://127.0.0.1:{port}/0")
     assert failed.returncode == 2
     assert "Redis" in failed.stderr
+
+
+def test_an_event_refused_beyond_the_horizon_raises_the_late_events_alert(
+    conn: psycopg.Connection[Row], factory: Factory, settings: Settings, redis_conn: Redis
+) -> None:
+    shop = factory.shop()
+    factory.order(shop)
+    ancient = StandardEvent(timestamp=int(time.time()) - 401 * 86400)
+    assert deliver(conn, shop, ancient).outcome == "beyond_horizon"
+    assert values(conn, redis_conn, settings)["late_events"] == 1
+    loud = check(settings)
+    assert loud.returncode == 1 and loud.stdout.split()[0] == "late_events"

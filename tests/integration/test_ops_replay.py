@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+import time
 import uuid
 
 import psycopg
@@ -184,3 +185,16 @@ def test_an_unreadable_event_is_not_replayed_but_can_be_resolved_by_hand(
     assert resolve_by_hand(conn, applied.exception_id) is True
     assert resolve_by_hand(conn, applied.exception_id) is False
     assert not is_open(factory, applied.exception_id)
+
+
+def test_an_event_beyond_the_horizon_is_never_replayed(
+    conn: psycopg.Connection[Row], factory: Factory
+) -> None:
+    shop = factory.shop()
+    order_id = factory.order(shop)
+    ancient = apply(conn, shop, StandardEvent(timestamp=int(time.time()) - 401 * 86400))
+    assert ancient.outcome == "beyond_horizon" and ancient.exception_id is not None
+    with pytest.raises(NotReplayable, match="retention horizon"):
+        replay_exception(conn, ancient.exception_id)
+    assert factory.order_state(shop, order_id) == "pending"
+    assert is_open(factory, ancient.exception_id)
