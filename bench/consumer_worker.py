@@ -50,7 +50,7 @@ def main(mode: str, kind: str) -> int:
     cls = SimpleBenchWorker if kind == "simple" else ForkingWorker
     connection = redis_connection(settings)
     worker = cls(
-        [events_queue(connection, settings)],
+        [settings.queue] if kind == "simple" else [events_queue(connection, settings)],
         connection=connection,
         serializer=JSONSerializer,
         job_class=BenchJob,

@@ -10,7 +10,7 @@ from consumer.jobs import install_runtime
 from consumer.worker import PayhookJob, PayhookWorker
 from payhook.db import create_pool
 from payhook.logs import configure_logging
-from payhook.queue import events_queue, redis_connection
+from payhook.queue import redis_connection
 from payhook.settings import Settings
 
 log = structlog.get_logger(__name__)
@@ -21,9 +21,10 @@ STATEMENT_SHARE = 0.8
 
 def build_worker(settings: Settings) -> PayhookWorker:
     connection = redis_connection(settings)
-    queue = events_queue(connection, settings)
+    # One queue per worker: RQ then moves each job atomically (BLMOVE) into
+    # its intermediate list and can recover it after a crash.
     worker = PayhookWorker(
-        [queue],
+        [settings.queue],
         connection=connection,
         serializer=JSONSerializer,
         job_class=PayhookJob,

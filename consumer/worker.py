@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from rq import Queue
 from rq.job import Job
 from rq.worker import SimpleWorker
 
@@ -51,6 +52,23 @@ class PayhookJob(Job):
         return None
 
 
+class PayhookQueue(Queue):
+    """The events queue as a consumer works it."""
+
+    #: Seconds the registry-cleaning lock lives. RQ's is 899 s: a worker
+    #: killed while cleaning would stop every worker from recovering abandoned
+    #: jobs for 15 minutes. Cleaning takes well under a second; if the lock
+    #: expires during a long one, a second cleaner repeats idempotent work.
+    maintenance_lock_ttl = 60
+
+    def acquire_maintenance_lock(self) -> bool:
+        return bool(
+            self.connection.set(
+                self.registry_cleaning_key, 1, nx=True, ex=self.maintenance_lock_ttl
+            )
+        )
+
+
 class PayhookWorker(SimpleWorker):
     """Runs jobs in its own process (no fork per job), so the pool is reused.
 
@@ -60,6 +78,7 @@ class PayhookWorker(SimpleWorker):
     """
 
     job_class = PayhookJob
+    queue_class = PayhookQueue
     job_grace = 15
 
     @property

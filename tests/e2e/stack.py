@@ -316,22 +316,6 @@ class Stack:
 
     # -- waiting -----------------------------------------------------------
 
-    def queue_idle(self) -> bool:
-        client = Redis.from_url(self.redis.url)
-        try:
-            queue = events_queue(client, self.settings)
-            # A job a worker had just popped when Redis died waits in RQ's
-            # intermediate list until a maintenance pass (after a minute)
-            # sends it back through the retry path.
-            return (
-                queue.count == 0
-                and client.llen(queue.intermediate_queue.key) == 0
-                and StartedJobRegistry(queue=queue).count == 0
-                and ScheduledJobRegistry(queue=queue).count == 0
-            )
-        finally:
-            client.close()
-
     def failed_jobs(self) -> int:
         client = Redis.from_url(self.redis.url)
         try:
@@ -339,20 +323,36 @@ class Stack:
         finally:
             client.close()
 
+    def backlog(self) -> dict[str, int]:
+        """What is left to do: jobs queued, popped, running or scheduled; outbox rows pending.
+
+        A job a worker had just popped when it or Redis died waits in RQ's
+        intermediate list until a maintenance pass (after a minute) sends it
+        back through the retry path.
+        """
+        client = Redis.from_url(self.redis.url)
+        try:
+            queue = events_queue(client, self.settings)
+            left = {
+                "queued": queue.count,
+                "intermediate": client.llen(queue.intermediate_queue.key),
+                "started": StartedJobRegistry(queue=queue).count,
+                "scheduled": ScheduledJobRegistry(queue=queue).count,
+            }
+        finally:
+            client.close()
+        left["outbox_pending"] = self.count(
+            "SELECT count(*) AS n FROM payhook.payment_outbox WHERE state = 'pending'"
+        )
+        return left
+
     def settle(self, timeout: float) -> float:
         """Wait until every queued job ran and every outbox row was delivered; seconds taken."""
         started = time.monotonic()
-        wait_until(
-            lambda: (
-                self.queue_idle()
-                and self.count(
-                    "SELECT count(*) AS n FROM payhook.payment_outbox WHERE state = 'pending'"
-                )
-                == 0
-            ),
-            timeout,
-            "the stack to settle",
-        )
+        try:
+            wait_until(lambda: not any(self.backlog().values()), timeout, "the stack to settle")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; still to do: {self.backlog()}") from None
         return time.monotonic() - started
 
 

@@ -113,3 +113,16 @@ def test_job_naming_a_foreign_function_is_refused(
     assert not marker.exists()
     assert job.id in FailedJobRegistry(queue=queue).get_job_ids()
     assert "ForbiddenJob" in (fetch(redis_conn, job.id).latest_result().exc_string or "")
+
+
+def test_registry_cleaning_lock_of_a_killed_worker_expires_within_a_minute(
+    settings: Settings, redis_conn: Redis
+) -> None:
+    """RQ's own lock lasts 899 s: a worker killed while cleaning would stop abandoned
+    jobs from being recovered for 15 minutes."""
+    from consumer.worker import PayhookQueue
+
+    queue = PayhookQueue(settings.queue, connection=redis_conn, serializer=JSONSerializer)
+    assert queue.acquire_maintenance_lock()
+    assert not queue.acquire_maintenance_lock(), "one cleaner at a time"
+    assert 0 < redis_conn.ttl(queue.registry_cleaning_key) <= 60
