@@ -109,7 +109,7 @@ def dead_letter(redis_conn: Redis, queue: Queue, job: Job) -> Job:
     job.retries_left = 0
     job.save()
     worker = PayhookWorker(
-        [queue], connection=redis_conn, serializer=JSONSerializer, job_class=PayhookJob
+        [queue.name], connection=redis_conn, serializer=JSONSerializer, job_class=PayhookJob
     )
     worker.work(burst=True, logging_level="ERROR")
     assert job.id in FailedJobRegistry(queue=queue).get_job_ids()
