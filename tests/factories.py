@@ -10,9 +10,10 @@ from datetime import UTC, datetime
 from typing import Any
 
 import psycopg
+from psycopg.types.json import Jsonb
 
 from payhook import admin
-from payhook.db import Row
+from payhook.db import Row, execute
 from payhook.envelope import Envelope
 from payhook.gateways import standard, stripe
 
@@ -162,3 +163,41 @@ class Factory:
         ).fetchone()
         assert row is not None
         return str(row["state"])
+
+    def outbox_rows(
+        self, shop: Shop, order_id: str, count: int = 1, *, name: str = ""
+    ) -> list[str]:
+        """`count` pending outbox rows for one order, written as the consumer writes them."""
+        ids = []
+        for _ in range(count):
+            row_id, event_id = uuid.uuid4(), f"msg_{name}{uuid.uuid4().hex}"
+            payload = {
+                "action": "fulfil_order",
+                "tenant_id": shop.tenant_id,
+                "order_id": order_id,
+                "merchant_reference": "order-1",
+                "event_id": event_id,
+            }
+            execute(
+                self.conn,
+                "insert_outbox",
+                {
+                    "id": row_id,
+                    "tenant_id": shop.tenant_id,
+                    "order_id": order_id,
+                    "event_id": event_id,
+                    "action": "fulfil_order",
+                    "payload": Jsonb(payload),
+                },
+            )
+            ids.append(str(row_id))
+        return ids
+
+    def outbox_row(self, row_id: str) -> dict[str, Any]:
+        """One outbox row, with `due_in`: how long until it is due."""
+        found = self.conn.execute(
+            "SELECT *, next_attempt_at - now() AS due_in FROM payhook.payment_outbox WHERE id = %s",
+            (row_id,),
+        ).fetchone()
+        assert found is not None
+        return found

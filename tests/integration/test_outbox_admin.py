@@ -7,12 +7,11 @@ import uuid
 
 import psycopg
 import pytest
-from psycopg.types.json import Jsonb
 
 from outbox_worker import claims
 from payhook import outbox_admin
 from payhook.cli import build_parser
-from payhook.db import Row, connect, execute
+from payhook.db import Row, connect
 from payhook.errors import NotFound, PayhookError
 from payhook.settings import Settings
 from tests.factories import Factory
@@ -31,20 +30,7 @@ def rows(conn: psycopg.Connection[Row], factory: Factory) -> dict[str, str]:
     order_id = factory.order(shop)
     made = {}
     for name in ("delivered", "dead", "dead2", "pending"):
-        row_id, event_id = uuid.uuid4(), f"msg_{name}_{uuid.uuid4().hex[:6]}"
-        execute(
-            conn,
-            "insert_outbox",
-            {
-                "id": row_id,
-                "tenant_id": shop.tenant_id,
-                "order_id": order_id,
-                "event_id": event_id,
-                "action": "fulfil_order",
-                "payload": Jsonb({}),
-            },
-        )
-        made[name] = str(row_id)
+        [made[name]] = factory.outbox_rows(shop, order_id, name=f"{name}_")
         if name != "pending":
             [claim] = claims.claim_due_rows(conn, 1, 60)
             if name == "delivered":

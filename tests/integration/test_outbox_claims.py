@@ -8,11 +8,10 @@ from typing import Any
 
 import psycopg
 import pytest
-from psycopg.types.json import Jsonb
 
 from outbox_worker import claims
 from outbox_worker.claims import Claim, StaleClaim
-from payhook.db import Row, connect, execute
+from payhook.db import Row, connect
 from payhook.settings import Settings
 from tests.factories import Factory, Shop
 
@@ -21,34 +20,11 @@ LONG_LEASE = 300.0
 
 
 def add_rows(conn: psycopg.Connection[Row], shop: Shop, order_id: str, count: int) -> list[str]:
-    """`count` pending outbox rows for one order, written as the consumer writes them."""
-    ids = []
-    for n in range(count):
-        row_id, event_id = uuid.uuid4(), f"msg_{uuid.uuid4().hex}"
-        payload = {"action": "fulfil_order", "event_id": event_id, "n": n}
-        execute(
-            conn,
-            "insert_outbox",
-            {
-                "id": row_id,
-                "tenant_id": shop.tenant_id,
-                "order_id": order_id,
-                "event_id": event_id,
-                "action": "fulfil_order",
-                "payload": Jsonb(payload),
-            },
-        )
-        ids.append(str(row_id))
-    return ids
+    return Factory(conn).outbox_rows(shop, order_id, count)
 
 
 def row(conn: psycopg.Connection[Row], row_id: str) -> dict[str, Any]:
-    found = conn.execute(
-        "SELECT *, next_attempt_at - now() AS due_in FROM payhook.payment_outbox WHERE id = %s",
-        (row_id,),
-    ).fetchone()
-    assert found is not None
-    return found
+    return Factory(conn).outbox_row(row_id)
 
 
 def reclaim_after_lease(conn: psycopg.Connection[Row], lease: float) -> Claim:

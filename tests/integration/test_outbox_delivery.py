@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -13,7 +12,6 @@ import httpx
 import psycopg
 import pytest
 import standardwebhooks
-from psycopg.types.json import Jsonb
 from structlog.testing import capture_logs
 
 from consumer.handler import Runtime, handle
@@ -22,7 +20,7 @@ from outbox_worker.config import OutboxConfig
 from outbox_worker.handlers import Outcome
 from outbox_worker.loop import Worker
 from outbox_worker.main import build_client
-from payhook.db import Pool, Row, create_pool, execute
+from payhook.db import Pool, Row, create_pool
 from payhook.settings import Settings
 from tests.factories import Factory, Shop, StandardEvent
 from tests.receiver import Receiver
@@ -64,39 +62,11 @@ def make_worker(pool: Pool) -> Iterator[MakeWorker]:
 
 
 def add_rows(conn: psycopg.Connection[Row], shop: Shop, order_id: str, count: int = 1) -> list[str]:
-    ids = []
-    for _ in range(count):
-        row_id, event_id = uuid.uuid4(), f"msg_{uuid.uuid4().hex}"
-        payload = {
-            "action": "fulfil_order",
-            "tenant_id": shop.tenant_id,
-            "order_id": order_id,
-            "merchant_reference": "order-1",
-            "event_id": event_id,
-        }
-        execute(
-            conn,
-            "insert_outbox",
-            {
-                "id": row_id,
-                "tenant_id": shop.tenant_id,
-                "order_id": order_id,
-                "event_id": event_id,
-                "action": "fulfil_order",
-                "payload": Jsonb(payload),
-            },
-        )
-        ids.append(str(row_id))
-    return ids
+    return Factory(conn).outbox_rows(shop, order_id, count)
 
 
 def row(conn: psycopg.Connection[Row], row_id: str) -> dict[str, Any]:
-    found = conn.execute(
-        "SELECT *, next_attempt_at - now() AS due_in FROM payhook.payment_outbox WHERE id = %s",
-        (row_id,),
-    ).fetchone()
-    assert found is not None
-    return found
+    return Factory(conn).outbox_row(row_id)
 
 
 def run_until(worker: Worker, done: Any, timeout: float = 20) -> None:
