@@ -195,11 +195,9 @@ def apply_event(
         if decision.outcome == "applied":
             assert orders and decision.to_state is not None
             write_transition(conn, endpoint, event, orders[0], decision)
-            mark_receipt(conn, key, decision.outcome, order_id)
-        else:
-            if decision.is_exception:
-                exception_id = record_exception(conn, endpoint, event, order_id, decision)
-            mark_receipt(conn, key, decision.outcome, order_id)
+        elif decision.is_exception:
+            exception_id = record_exception(conn, endpoint, event, order_id, decision)
+        mark_receipt(conn, key, decision.outcome, order_id)
     return Applied(decision.outcome, order_id, exception_id)
 
 

@@ -3,10 +3,6 @@
 INSERT INTO payhook.tenants (id, name, fulfilment_url, signing_secret)
 VALUES (%(id)s, %(name)s, %(fulfilment_url)s, %(signing_secret)s)
 
--- get_tenant --
--- One tenant.
-SELECT id, name, fulfilment_url, created_at FROM payhook.tenants WHERE id = %(id)s
-
 -- insert_endpoint --
 -- A webhook endpoint of a tenant.
 INSERT INTO payhook.webhook_endpoints (tenant_id, id, gateway, secrets)

@@ -31,13 +31,6 @@ UPDATE payhook.uniqueness_conflicts
    SET resolved_at = now()
  WHERE rule = %(rule)s AND resolved_at IS NULL AND checked_at < now()
 
--- open_conflicts --
--- The unresolved groups of a rule, as the last check classified them.
-SELECT tenant_id, key, copies, versions, classification, ignored
-  FROM payhook.uniqueness_conflicts
- WHERE rule = %(rule)s AND resolved_at IS NULL
- ORDER BY classification, tenant_id, key
-
 -- open_redeliveries --
 -- A batch of unresolved redelivery groups of a rule, for resolve.
 SELECT tenant_id, key, ignored

@@ -76,6 +76,18 @@ def tenant_counts(stack: Stack, shop: Shop) -> dict[str, int]:
     }
 
 
+def assert_one_effect(stack: Stack, shop: Shop, event: StandardEvent) -> None:
+    """One receipt, one transition, one outbox row, one fulfilment key at the receiver."""
+    assert tenant_counts(stack, shop) == {
+        "receipts": 1,
+        "transitions": 1,
+        "outbox": 1,
+        "exceptions": 0,
+        "anomalies": 0,
+    }
+    assert stack.receiver.keys().count(fulfil_key(shop, event)) == 1
+
+
 def test_duplicate_storm_across_two_ingresses_has_one_effect(stack: Stack) -> None:
     shop = stack.shop()
     stack.order(shop, "storm-1", "pi_storm")
@@ -89,9 +101,7 @@ def test_duplicate_storm_across_two_ingresses_has_one_effect(stack: Stack) -> No
     took = stack.settle(timeout=30)
     wait_until(lambda: fulfil_key(shop, event) in stack.receiver.keys(), 10, "the fulfilment")
     print(f"duplicate storm settled in {took:.1f}s")
-    counts = tenant_counts(stack, shop)
-    assert counts == {"receipts": 1, "transitions": 1, "outbox": 1, "exceptions": 0, "anomalies": 0}
-    assert stack.receiver.keys().count(fulfil_key(shop, event)) == 1
+    assert_one_effect(stack, shop, event)
     assert deadlocks(stack) == before
     assert stack.failed_jobs() == 0
 
@@ -142,14 +152,7 @@ def test_consumer_killed_after_commit_then_redelivery_has_one_effect(stack: Stac
     took = stack.settle(timeout=120)
     wait_until(lambda: fulfil_key(shop, event) in stack.receiver.keys(), 10, "the fulfilment")
     print(f"abandoned job recovered and redelivery settled in {took:.1f}s")
-    assert tenant_counts(stack, shop) == {
-        "receipts": 1,
-        "transitions": 1,
-        "outbox": 1,
-        "exceptions": 0,
-        "anomalies": 0,
-    }
-    assert stack.receiver.keys().count(fulfil_key(shop, event)) == 1
+    assert_one_effect(stack, shop, event)
 
 
 def test_bad_input_at_the_door_is_refused_and_writes_nothing(stack: Stack) -> None:
@@ -397,14 +400,7 @@ def test_ingress_killed_after_enqueue_before_answering_then_retry_has_one_effect
     assert send(stack.url(shop), event, shop.secret) == 202
     stack.settle(timeout=30)
     wait_until(lambda: fulfil_key(shop, event) in stack.receiver.keys(), 10, "the fulfilment")
-    assert tenant_counts(stack, shop) == {
-        "receipts": 1,
-        "transitions": 1,
-        "outbox": 1,
-        "exceptions": 0,
-        "anomalies": 0,
-    }
-    assert stack.receiver.keys().count(fulfil_key(shop, event)) == 1
+    assert_one_effect(stack, shop, event)
     with stack.db() as conn:
         row = conn.execute(
             "SELECT outcome FROM payhook.payment_event_receipts WHERE tenant_id = %s",

@@ -18,7 +18,7 @@ import pytest
 from psycopg.types.json import Jsonb
 
 from payhook import migrations
-from payhook.db import Row, connect
+from payhook.db import Row, connect, fetch_one
 from payhook.errors import MigrationError
 from payhook.migrations import apply_migrations, list_migrations
 from payhook.settings import Settings
@@ -89,13 +89,10 @@ def run_cli(database: str, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def index_state(conn: psycopg.Connection[Row], name: str = RULE) -> Row | None:
-    return conn.execute(
-        "SELECT x.indisvalid AS valid,"
-        " EXISTS (SELECT 1 FROM pg_constraint k WHERE k.conindid = x.indexrelid) AS constrained"
-        " FROM pg_index x JOIN pg_class c ON c.oid = x.indexrelid WHERE c.relname = %s",
-        (name,),
-    ).fetchone()
+def index_state(conn: psycopg.Connection[Row]) -> Row | None:
+    """Whether the rule's index is valid and backs its constraint (None: no index)."""
+    found = fetch_one(conn, "index_state", {"table": EXCEPTIONS_RULE.table, "index": RULE})
+    return None if found is None else {k: found[k] for k in ("valid", "constrained")}
 
 
 def recorded(conn: psycopg.Connection[Row]) -> int:
