@@ -133,10 +133,12 @@ def replay_exception(
 
         if decision.outcome == "applied":
             assert order is not None
-            moved = write_transition(conn, endpoint, event, order, decision)
-            if moved.rowcount != 1:
+            # Marks the receipt too: it cannot have resolved already, or the
+            # decision would be `already_applied`.
+            moved = write_transition(conn, endpoint, event, order, decision).fetchone()
+            if moved is None or moved["moved"] != 1:
                 raise AssertionError("the order is locked, its state cannot have moved")
-        if receipt["outcome"] not in RESOLVING_OUTCOMES:
+        elif receipt["outcome"] not in RESOLVING_OUTCOMES:
             mark_receipt(conn, key, decision.outcome, order.id if order else None)
         execute(
             conn,

@@ -148,31 +148,32 @@ def apply_event(
                 "occurred_at": event.occurred_at,
             },
         )
-        archived = conn.execute(query("find_archived_receipt"), key)
         # Locked after the receipt, in the same transaction: the lock order
         # is always receipt, then order. A duplicate holds it only briefly.
-        locked = (
-            conn.execute(
-                query("lock_order"),
-                {
-                    "tenant_id": endpoint.tenant_id,
-                    "merchant_reference": event.merchant_reference,
-                    "gateway_order_id": event.gateway_order_id,
-                },
-            )
-            if acting
-            else None
+        mapped = conn.execute(
+            query("lock_mapped_order"),
+            key
+            | {
+                "lock": acting,
+                "delivery_id": delivery_id,
+                "merchant_reference": event.merchant_reference,
+                "gateway_order_id": event.gateway_order_id,
+            },
         )
         inserted = receipt.fetchone() is not None
-        if inserted and archived.fetchone() is not None:
+        rows = mapped.fetchall()
+        archived_sha256 = rows[0]["archived_sha256"]
+        if inserted and archived_sha256 is not None:
             # Archived, perhaps while the insert waited for that batch: the
             # event was handled long ago. Take the new receipt back.
             conn.execute(query("delete_receipt"), key)
             inserted = False
         if not inserted:
-            return _duplicate(conn, endpoint, event, delivery_id)
+            stored = archived_sha256 or rows[0]["live_sha256"]
+            assert stored is not None, "the conflicting receipt is committed, live or archived"
+            return _duplicate(conn, endpoint, event, delivery_id, stored)
 
-        if locked is None:
+        if not acting:
             outcome = forced_outcome or "ignored"
             exception_id = None
             if outcome in EXCEPTION_OUTCOMES:
@@ -187,28 +188,30 @@ def apply_event(
             mark_receipt(conn, key, outcome, None)
             return Applied(outcome, exception_id=exception_id)
 
-        orders = [order_from_row(row) for row in locked.fetchall()]
+        orders = [order_from_row(row) for row in rows if row["id"] is not None]
         decision = decide(event, orders)
         order_id = orders[0].id if len(orders) == 1 else None
 
         exception_id = None
         if decision.outcome == "applied":
             assert orders and decision.to_state is not None
+            # Marks the receipt too.
             write_transition(conn, endpoint, event, orders[0], decision)
-        elif decision.is_exception:
-            exception_id = record_exception(conn, endpoint, event, order_id, decision)
-        mark_receipt(conn, key, decision.outcome, order_id)
+        else:
+            if decision.is_exception:
+                exception_id = record_exception(conn, endpoint, event, order_id, decision)
+            mark_receipt(conn, key, decision.outcome, order_id)
     return Applied(decision.outcome, order_id, exception_id)
 
 
 def _duplicate(
-    conn: psycopg.Connection[Row], endpoint: Endpoint, event: Event, delivery_id: str
+    conn: psycopg.Connection[Row],
+    endpoint: Endpoint,
+    event: Event,
+    delivery_id: str,
+    stored_sha256: str,
 ) -> Applied:
-    existing = fetch_one(
-        conn, "get_receipt", {"tenant_id": endpoint.tenant_id, "event_id": event.event_id}
-    )
-    assert existing is not None, "the conflicting receipt is committed, live or archived"
-    if existing["payload_sha256"] == event.digest:
+    if stored_sha256 == event.digest:
         return Applied("duplicate")
     execute(
         conn,
@@ -219,7 +222,7 @@ def _duplicate(
             "endpoint_id": endpoint.id,
             "delivery_id": delivery_id,
             "kind": "digest_conflict",
-            "stored_sha256": existing["payload_sha256"],
+            "stored_sha256": stored_sha256,
             "received_sha256": event.digest,
         },
     )
@@ -233,39 +236,41 @@ def write_transition(
     order: Order,
     decision: Decision,
 ) -> psycopg.Cursor[Row]:
-    """Queue the state change, its audit row and its outbox row.
+    """Queue the state change, its audit row, its outbox row and the receipt's
+    outcome, in one statement.
 
-    Returns the cursor of the move: once synced, its rowcount is 1 if the
-    order moved (always, under the lock `apply_event` holds).
+    Returns its cursor: once synced, its row says `moved` = 1 if the order
+    moved (always, under the lock `apply_event` holds).
     """
-    params: dict[str, Any] = {
+    assert decision.action is not None, "every forward transition has a side effect"
+    payload = {
+        "action": decision.action,
         "tenant_id": endpoint.tenant_id,
         "order_id": order.id,
+        "merchant_reference": order.merchant_reference,
         "event_id": event.event_id,
-        "from_state": order.state,
-        "to_state": decision.to_state,
-        "refunded_minor": decision.refunded_minor,
+        "state": decision.to_state,
         "amount_minor": event.amount_minor,
+        "currency": order.currency,
     }
     # The order is locked FOR UPDATE by this transaction: its state is the
     # one `decide` saw, so the move always happens.
-    moved = conn.execute(query("move_order"), params)
-    if decision.action is not None:
-        payload = {
-            "action": decision.action,
+    return conn.execute(
+        query("apply_transition"),
+        {
             "tenant_id": endpoint.tenant_id,
-            "order_id": order.id,
-            "merchant_reference": order.merchant_reference,
             "event_id": event.event_id,
-            "state": decision.to_state,
+            "order_id": order.id,
+            "from_state": order.state,
+            "to_state": decision.to_state,
+            "refunded_minor": decision.refunded_minor,
             "amount_minor": event.amount_minor,
-            "currency": order.currency,
-        }
-        conn.execute(
-            query("insert_outbox"),
-            params | {"id": uuid.uuid4(), "action": decision.action, "payload": Jsonb(payload)},
-        )
-    return moved
+            "outcome": decision.outcome,
+            "outbox_id": uuid.uuid4(),
+            "action": decision.action,
+            "payload": Jsonb(payload),
+        },
+    )
 
 
 def record_exception(

@@ -14,32 +14,47 @@ VALUES (%(tenant_id)s, %(event_id)s, %(event_type)s, %(digest)s, %(endpoint_id)s
 ON CONFLICT (tenant_id, event_id) DO NOTHING
 RETURNING event_id
 
--- find_archived_receipt --
--- Step 2: whether retention archived the identity. A statement of its own,
--- after the insert, so it sees a retention batch the insert waited for.
-SELECT 1 AS archived
-  FROM payhook.payment_event_receipts_archive
- WHERE tenant_id = %(tenant_id)s AND event_id = %(event_id)s
+-- lock_mapped_order --
+-- Steps 2 and 3 in one statement, run after the receipt insert so that its
+-- snapshot sees what the insert waited for: the digest stored for the
+-- identity, live or archived (retention moves a receipt in one transaction,
+-- so one snapshot sees it in one of the two), and the order either
+-- identifier maps to, locked. The order is locked only when %(lock)s and the
+-- live receipt is this delivery's: a duplicate locks nothing, writes nothing,
+-- and commits without a WAL flush. One row without an order when none is
+-- locked; two rows when the identifiers name different orders.
+SELECT r.live_sha256, r.archived_sha256,
+       o.id, o.merchant_reference, o.gateway_order_id, o.amount_minor, o.currency,
+       o.state, o.refunded_minor
+  FROM (SELECT live.payload_sha256 AS live_sha256, live.delivery_id AS live_delivery_id,
+               (SELECT encode(payload_sha256, 'hex')
+                  FROM payhook.payment_event_receipts_archive
+                 WHERE tenant_id = %(tenant_id)s AND event_id = %(event_id)s) AS archived_sha256
+          FROM (SELECT 1) AS one
+          LEFT JOIN payhook.payment_event_receipts AS live
+            ON live.tenant_id = %(tenant_id)s AND live.event_id = %(event_id)s
+       ) AS r
+  LEFT JOIN LATERAL (
+        SELECT id, merchant_reference, gateway_order_id, amount_minor, currency, state,
+               refunded_minor
+          FROM payhook.payment_orders
+         WHERE %(lock)s::boolean
+           AND r.live_delivery_id = %(delivery_id)s::uuid
+           AND r.archived_sha256 IS NULL
+           AND tenant_id = %(tenant_id)s
+           AND (merchant_reference = %(merchant_reference)s
+                OR gateway_order_id = %(gateway_order_id)s)
+         ORDER BY id
+           FOR UPDATE
+       ) AS o ON true
 
 -- delete_receipt --
 -- Take back the receipt just inserted for an identity found in the archive.
 DELETE FROM payhook.payment_event_receipts
  WHERE tenant_id = %(tenant_id)s AND event_id = %(event_id)s
 
--- get_receipt --
--- The receipt that made a delivery a duplicate, live or archived. One
--- snapshot sees it in one of the two: retention moves it in one transaction.
-SELECT payload_sha256, outcome, processed_at
-  FROM payhook.payment_event_receipts
- WHERE tenant_id = %(tenant_id)s AND event_id = %(event_id)s
- UNION ALL
-SELECT encode(payload_sha256, 'hex'), outcome, processed_at
-  FROM payhook.payment_event_receipts_archive
- WHERE tenant_id = %(tenant_id)s AND event_id = %(event_id)s
- LIMIT 1
-
 -- lock_order --
--- Step 3: the order either identifier maps to, locked; two rows mean the
+-- The order either identifier maps to, locked; two rows mean the
 -- identifiers name different orders.
 SELECT id, merchant_reference, gateway_order_id, amount_minor, currency, state,
        refunded_minor
@@ -49,22 +64,33 @@ SELECT id, merchant_reference, gateway_order_id, amount_minor, currency, state,
  ORDER BY id
    FOR UPDATE
 
--- move_order --
--- Step 5: the one forward transition and its audit row, in one statement: the
--- audit row exists only if the order moved. One per event.
+-- apply_transition --
+-- Steps 5 to 7 in one statement: the one forward transition, its audit row
+-- and its outbox row exist only if the order moved; the receipt is marked
+-- processed either way. `moved` is 1 when the order moved.
 WITH moved AS (
     UPDATE payhook.payment_orders
        SET state = %(to_state)s, refunded_minor = %(refunded_minor)s, updated_at = now()
      WHERE tenant_id = %(tenant_id)s AND id = %(order_id)s AND state = %(from_state)s
  RETURNING tenant_id, id
+), transition AS (
+    INSERT INTO payhook.payment_order_transitions
+           (tenant_id, order_id, event_id, from_state, to_state, amount_minor)
+    SELECT tenant_id, id, %(event_id)s, %(from_state)s, %(to_state)s, %(amount_minor)s
+      FROM moved
+), outbox AS (
+    INSERT INTO payhook.payment_outbox (id, tenant_id, order_id, event_id, action, payload)
+    SELECT %(outbox_id)s, tenant_id, id, %(event_id)s, %(action)s, %(payload)s
+      FROM moved
+        ON CONFLICT (tenant_id, event_id, action) DO NOTHING
 )
-INSERT INTO payhook.payment_order_transitions
-       (tenant_id, order_id, event_id, from_state, to_state, amount_minor)
-SELECT tenant_id, id, %(event_id)s, %(from_state)s, %(to_state)s, %(amount_minor)s
-  FROM moved
+UPDATE payhook.payment_event_receipts
+   SET outcome = %(outcome)s, order_id = %(order_id)s, processed_at = now()
+ WHERE tenant_id = %(tenant_id)s AND event_id = %(event_id)s
+RETURNING (SELECT count(*) FROM moved) AS moved
 
 -- insert_outbox --
--- Step 6: the side effect to perform after commit; one per (event, action).
+-- A side effect to perform after commit; one per (event, action).
 INSERT INTO payhook.payment_outbox (id, tenant_id, order_id, event_id, action, payload)
 VALUES (%(id)s, %(tenant_id)s, %(order_id)s, %(event_id)s, %(action)s, %(payload)s)
 ON CONFLICT (tenant_id, event_id, action) DO NOTHING
