@@ -1,12 +1,18 @@
 """Consumer throughput, beside two ceilings measured in the same run.
 
-    python -m bench.consumer [--events N] [--workers W]
+    python -m bench.consumer [--events N] [--workers W] [--rounds R]
+                             [--fsync always|everysec|no]
 
 1. RQ no-op jobs (same envelopes, same worker class and count): the queue's
    own ceiling; also with RQ's forking worker, to show why we do not fork.
 2. The same SQL transaction driven directly by W processes: the database's.
 3. payhook consumers applying first deliveries, then the same events again
    (every job a duplicate).
+
+Redis is a private redis-server started here with the persistence of
+compose.yaml (`appendfsync always`: RQ's writes are durable, as payhook's
+commits are) unless --fsync says otherwise; PAYHOOK_BENCH_REDIS names a
+server to use instead. Workers log as in production (JSON lines, INFO).
 
 Rates come from RQ's own job timestamps (first start to last end), so worker
 start-up is not counted. Figures are printed as ratios to the ceilings:
@@ -32,6 +38,7 @@ from redis import Redis
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
+from bench.services import FSYNC_CHOICES, private_redis
 from consumer.transaction import Endpoint, apply_event
 from payhook import admin
 from payhook.db import connect
@@ -42,15 +49,16 @@ from payhook.queue import enqueue_event, events_queue
 from payhook.settings import Settings
 
 PG = os.environ.get("PAYHOOK_BENCH_PG", "postgresql://postgres@127.0.0.1:5432")
-REDIS = os.environ.get("PAYHOOK_BENCH_REDIS", "redis://127.0.0.1:6379/12")
+#: A Redis server to use instead of starting one (its database is flushed).
+REDIS = os.environ.get("PAYHOOK_BENCH_REDIS")
 DB = "payhook_bench"
 
 
-def fresh_settings() -> Settings:
+def fresh_settings(redis_url: str) -> Settings:
     with psycopg.connect(f"{PG}/postgres", autocommit=True) as conn:
         conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(DB)))
     settings = Settings.from_env(
-        {"DATABASE_URL": f"{PG}/{DB}", "REDIS_URL": REDIS, "PAYHOOK_QUEUE": "payhook-bench"}
+        {"DATABASE_URL": f"{PG}/{DB}", "REDIS_URL": redis_url, "PAYHOOK_QUEUE": "payhook-bench"}
     )
     apply_migrations(settings)
     return settings
@@ -105,7 +113,7 @@ def run_workers(
         "DATABASE_URL": str(settings.database_url),
         "REDIS_URL": str(settings.redis_url),
         "PAYHOOK_QUEUE": settings.queue,
-        "PAYHOOK_LOG_LEVEL": "ERROR",
+        "PAYHOOK_LOG_LEVEL": "INFO",
     }
     procs = [
         subprocess.Popen(
@@ -164,9 +172,18 @@ def main() -> None:
     parser.add_argument("--events", type=int, default=1000)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--fsync", choices=FSYNC_CHOICES, default="always")
     args = parser.parse_args()
+    if REDIS:
+        run(args, REDIS, "PAYHOOK_BENCH_REDIS")
+    else:
+        with private_redis(args.fsync) as (redis_url, _):
+            run(args, redis_url, f"private, appendfsync={args.fsync}")
+
+
+def run(args: argparse.Namespace, redis_url: str, redis_label: str) -> None:
     n, w = args.events, args.workers
-    redis = Redis.from_url(REDIS)
+    redis = Redis.from_url(redis_url)
     rates: dict[str, list[float]] = {
         name: [] for name in ("noop", "direct", "applied", "duplicates")
     }
@@ -174,7 +191,7 @@ def main() -> None:
     # Rounds interleave the phases, so a burst of load elsewhere on the
     # machine hits ceilings and payhook alike; the medians are reported.
     for round_ in range(args.rounds):
-        settings = fresh_settings()
+        settings = fresh_settings(redis_url)
         endpoint, envelopes = make_events(settings, 2 * n)
         direct_set, queued_set = envelopes[:n], envelopes[n:]
         rates["noop"].append(run_workers(settings, redis, queued_set, "noop", "simple", w))
@@ -190,7 +207,7 @@ def main() -> None:
     )
     print(
         f"consumer benchmark: {n} events x {args.rounds} rounds, {w} worker processes, "
-        f"{os.cpu_count()} cores (medians)"
+        f"{os.cpu_count()} cores (medians); Redis {redis_label}"
     )
     print(f"  RQ no-op jobs, PayhookWorker       {noop:8.0f} jobs/s    (ceiling 1)")
     print(

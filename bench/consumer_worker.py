@@ -16,6 +16,7 @@ from consumer.handler import Runtime
 from consumer.jobs import install_runtime
 from consumer.worker import ALLOWED_FUNCTIONS, PayhookJob, PayhookWorker
 from payhook.db import create_pool
+from payhook.logs import configure_logging
 from payhook.queue import events_queue, redis_connection
 from payhook.settings import Settings
 
@@ -43,6 +44,7 @@ class SimpleBenchWorker(PayhookWorker):
 
 def main(mode: str, kind: str) -> int:
     settings = Settings.from_env(os.environ)
+    configure_logging(settings.log_level)
     if mode == "apply":
         pool = create_pool(settings, "bench", size=2)
         pool.open(wait=True)

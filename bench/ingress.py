@@ -54,6 +54,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from bench.services import FSYNC_CHOICES, private_redis, process, spare_port
 from ingress.enqueue import Enqueuer
 from payhook import admin
 from payhook.db import connect
@@ -78,53 +79,6 @@ async def bare_route(request: Request) -> Response:
 
 #: The ceiling: a route that reads the body and answers 202, nothing else.
 bare_app = Starlette(routes=[Route("/webhooks/{endpoint_id}", bare_route, methods=["POST"])])
-
-
-def spare_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def wait_for_port(port: int, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            return
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError(f"nothing listens on port {port}")
-
-
-@contextmanager
-def process(args: list[str], env: dict[str, str], port: int) -> Iterator[subprocess.Popen[bytes]]:
-    proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        wait_for_port(port)
-        yield proc
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-@contextmanager
-def private_redis(fsync: str) -> Iterator[tuple[str, int]]:
-    port = spare_port()
-    folder = tempfile.mkdtemp(prefix="payhook-bench-redis-")
-    persistence = ["--appendonly", "no"] if fsync == "no" else ["--appendonly", "yes"]
-    persistence += ["--appendfsync", fsync if fsync != "no" else "everysec"]
-    args = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
-    args += ["--dir", folder, *persistence, "--daemonize", "no", "--logfile", ""]
-    try:
-        with process(args, dict(os.environ), port) as proc:
-            yield f"redis://127.0.0.1:{port}/0", proc.pid
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 @contextmanager
@@ -352,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--connections", type=int, default=32, help="wrk connections")
     parser.add_argument("--rate", type=int, default=1000, help="open-loop requests per second")
     parser.add_argument("--latency-seconds", type=float, default=10.0)
-    parser.add_argument("--fsync", choices=["always", "everysec", "no"], default="always")
+    parser.add_argument("--fsync", choices=FSYNC_CHOICES, default="always")
     args = parser.parse_args(argv)
     if shutil.which("wrk") is None:
         print("bench.ingress: wrk is missing: apt-get install -y wrk", file=sys.stderr)
