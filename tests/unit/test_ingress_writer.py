@@ -58,7 +58,7 @@ def test_jobs_waiting_together_go_in_one_eval() -> None:
     jobs_writer, connection, pool = writer(1)
 
     async def scenario() -> None:
-        await asyncio.gather(*(jobs_writer.write(job(b"%d" % i)) for i in range(5)))
+        await asyncio.gather(*(jobs_writer.write(job(b"%d" % i), 5) for i in range(5)))
 
     asyncio.run(scenario())
     assert connection.sent == [pack_jobs([job(b"%d" % i) for i in range(5)])]
@@ -69,8 +69,8 @@ def test_a_job_whose_request_gave_up_is_never_sent() -> None:
     jobs_writer, connection, _ = writer(1)
 
     async def scenario() -> None:
-        kept = asyncio.create_task(jobs_writer.write(job(b"kept")))
-        gave_up = asyncio.create_task(jobs_writer.write(job(b"gave-up")))
+        kept = asyncio.create_task(jobs_writer.write(job(b"kept"), 5))
+        gave_up = asyncio.create_task(jobs_writer.write(job(b"gave-up"), 5))
         await asyncio.sleep(0)  # both are waiting; the writer has not sent yet
         gave_up.cancel()
         await kept
@@ -84,7 +84,7 @@ def test_an_error_reply_fails_every_job_of_the_batch() -> None:
 
     async def scenario() -> list[BaseException | None]:
         results = await asyncio.gather(
-            jobs_writer.write(job(b"a")), jobs_writer.write(job(b"b")), return_exceptions=True
+            jobs_writer.write(job(b"a"), 5), jobs_writer.write(job(b"b"), 5), return_exceptions=True
         )
         return list(results)
 
@@ -97,8 +97,37 @@ def test_a_lost_connection_fails_the_batch_and_is_dropped() -> None:
     jobs_writer, connection, pool = writer(RedisConnectionError("reset by peer"))
 
     async def scenario() -> None:
-        await jobs_writer.write(job(b"a"))
+        await jobs_writer.write(job(b"a"), 5)
 
     with pytest.raises(RedisConnectionError):
         asyncio.run(scenario())
     assert connection.disconnected and pool.released == 1
+
+
+class SlowConnection(FakeConnection):
+    """Redis that takes `delay` seconds to reply."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__(1)
+        self.delay = delay
+
+    async def read_response(self) -> Any:
+        await asyncio.sleep(self.delay)
+        return self.reply
+
+
+def test_no_reply_in_time_is_a_timeout_and_a_job_expired_unsent_is_never_sent() -> None:
+    connection = SlowConnection(0.3)
+    jobs_writer = JobWriter(FakePool(connection))  # type: ignore[arg-type]
+
+    async def scenario() -> list[BaseException | None]:
+        first = asyncio.create_task(jobs_writer.write(job(b"in-flight"), 0.1))
+        await asyncio.sleep(0.01)  # the first batch is sent, its reply is slow
+        second = asyncio.create_task(jobs_writer.write(job(b"expires-waiting"), 0.05))
+        results = await asyncio.gather(first, second, return_exceptions=True)
+        await asyncio.sleep(0.4)  # the writer finishes the slow batch
+        return list(results)
+
+    results = asyncio.run(scenario())
+    assert all(isinstance(result, TimeoutError) for result in results)
+    assert connection.sent == [pack_jobs([job(b"in-flight")])]
