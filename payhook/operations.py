@@ -31,7 +31,6 @@ from rq.job import Job
 from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 
-from consumer.replay import replay_exception, resolve_by_hand
 from payhook.db import Row, connect, fetch_all, fetch_one
 from payhook.errors import NotFound, PayhookError
 from payhook.queue import APPLY_EVENT, events_queue, redis_connection
@@ -248,6 +247,11 @@ def run(args: argparse.Namespace, settings: Settings, out: TextIO = sys.stdout) 
             )
             _print_rows(out, rows)
             return 0
+        if args.action in ("replay", "resolve"):
+            # Replaying is the consumer's transaction: imported where the
+            # command runs, as cli.py does for each process, so the shared
+            # kernel never depends on a component.
+            from consumer.replay import replay_exception, resolve_by_hand
         if args.action == "replay":
             replay = replay_exception(conn, args.id, tenant_id=args.tenant, dry_run=args.dry_run)
             _print_json(out, replay.to_json())
