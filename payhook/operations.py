@@ -90,6 +90,13 @@ def format_trace(trace: Trace) -> str:
     r = trace.receipt
     if r is None:
         add("receipt", "none: payhook has no record of this event for this tenant")
+    elif r["archived_at"] is not None:
+        add(
+            "receipt",
+            f"archived={_when(r['archived_at'])}  outcome={r['outcome']}  "
+            f"received={_when(r['received_at'])}  processed={_when(r['processed_at'])}  "
+            "(retention keeps the identity, digest and outcome; a redelivery is a duplicate)",
+        )
     else:
         add(
             "receipt",

@@ -1,9 +1,17 @@
 -- trace_receipt --
--- `payhook trace`: the receipt of one event of one tenant.
+-- `payhook trace`: the receipt of one event of one tenant, live or archived
+-- by retention (the archive keeps the identity, digest, outcome and times).
 SELECT tenant_id, event_id, order_id, event_type, outcome, payload_sha256, endpoint_id,
-       gateway, delivery_id, occurred_at, received_at, processed_at
+       gateway, delivery_id, occurred_at, received_at, processed_at,
+       NULL::timestamptz AS archived_at
   FROM payhook.payment_event_receipts
  WHERE tenant_id = %(tenant_id)s AND event_id = %(event_id)s
+ UNION ALL
+SELECT tenant_id, event_id, NULL, NULL, outcome, encode(payload_sha256, 'hex'), NULL,
+       NULL, NULL, occurred_at, received_at, processed_at, archived_at
+  FROM payhook.payment_event_receipts_archive
+ WHERE tenant_id = %(tenant_id)s AND event_id = %(event_id)s
+ LIMIT 1
 
 -- trace_order --
 -- `payhook trace`: the order the event mapped to, as it is now.

@@ -19,6 +19,7 @@ from redis import Redis
 
 from consumer.handler import Runtime, handle
 from payhook.db import Row, connect, create_pool
+from payhook.operations import format_trace, trace_event
 from payhook.queries import query
 from payhook.retention import run_retention
 from payhook.settings import Settings
@@ -150,6 +151,13 @@ def test_archived_event_redelivered_is_a_duplicate_with_no_effect(
     assert factory.count("payment_order_transitions", order_id=order_id) == 2
     assert factory.count("payment_outbox", order_id=order_id) == 2
     assert factory.count("security_anomalies") == 0
+
+    trace = trace_event(factory.conn, shop.tenant_id, payment.event_id)
+    assert trace.receipt is not None and trace.receipt["archived_at"] is not None
+    assert trace.receipt["outcome"] == "applied" and trace.receipt["payload_sha256"]
+    assert [t["to_state"] for t in trace.transitions] == ["paid"]
+    receipt_line = format_trace(trace).splitlines()[1]
+    assert "archived=" in receipt_line and "outcome=applied" in receipt_line
 
 
 def test_archived_event_redelivered_with_other_content_is_a_digest_conflict(
