@@ -31,11 +31,15 @@ fi
 
 if ! pg_up; then
   echo "services: starting PostgreSQL on $PGHOST:$PGPORT" >&2
-  if command -v pg_ctlcluster >/dev/null && [ -n "$(ls /etc/postgresql 2>/dev/null)" ]; then
-    version=$(ls /etc/postgresql | sort -V | tail -n 1)
-    pg_ctlcluster --skip-systemctl-redirect "$version" main start || true
+  # A Debian cluster on this port, if there is one and it starts; else our own.
+  started=no
+  if command -v pg_lsclusters >/dev/null; then
+    cluster=$(pg_lsclusters -h 2>/dev/null | awk -v port="$PGPORT" '$3 == port {print $1, $2; exit}')
+    if [ -n "$cluster" ] && pg_ctlcluster --skip-systemctl-redirect $cluster start; then
+      started=yes
+    fi
   fi
-  if ! wait_for PostgreSQL pg_up 2>/dev/null; then
+  if [ "$started" = no ] || ! wait_for PostgreSQL pg_up 2>/dev/null; then
     # No Debian cluster: a throwaway one with trust auth, owned by `postgres`.
     bin=$(ls -d /usr/lib/postgresql/*/bin | sort -V | tail -n 1)
     data=${PAYHOOK_PGDATA:-/var/tmp/payhook-pgdata}
