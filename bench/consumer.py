@@ -223,6 +223,10 @@ def run(args: argparse.Namespace, redis_url: str, redis_label: str) -> None:
         f"  payhook consumers, duplicates      {duplicates:8.0f} events/s  "
         f"(one duplicate costs {applied / duplicates:.2f}x a first delivery)"
     )
+    # Each round measures its no-op ceiling and first deliveries back to back.
+    pairs = zip(rates["applied"], rates["noop"], strict=True)
+    per_round = ", ".join(f"{first / ceiling:.0%}" for first, ceiling in pairs)
+    print(f"  first delivery / no-op, per round  [{per_round}]")
 
 
 if __name__ == "__main__":
