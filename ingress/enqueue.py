@@ -55,8 +55,9 @@ class JobWriter:
         if self._task is None:
             self._task = asyncio.create_task(self._run())
         # A timer on the future rather than a cancel scope around the await:
-        # the same outcome for the request, at a third of the cost. An expired
-        # job is skipped if not yet sent; if it was, its reply is ignored.
+        # the same outcome for the request, at less than half the cost (1.4 µs
+        # against 3.4 µs, measured). An expired job is skipped if not yet
+        # sent; if it was, its reply is ignored.
         timer = loop.call_later(timeout, _expire, future)
         try:
             await future
