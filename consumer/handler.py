@@ -124,16 +124,10 @@ def _unreadable(envelope: Envelope, exc: MalformedEvent) -> Event:
     except ValueError:
         pass
     log.error("event_malformed", reason=str(exc))
-    return Event(
-        event_id=event_id or f"delivery:{envelope.delivery_id}",
-        event_type=event_type,
-        kind=None,
-        occurred_at=None,
-        gateway_order_id=None,
-        merchant_reference=None,
-        amount_minor=None,
-        currency=None,
-        digest=hashlib.sha256(envelope.body).hexdigest(),
+    return Event.unreadable(
+        event_id or f"delivery:{envelope.delivery_id}",
+        event_type,
+        hashlib.sha256(envelope.body).hexdigest(),
     )
 
 

@@ -42,6 +42,21 @@ class Event:
         return data
 
     @classmethod
+    def unreadable(cls, event_id: str, event_type: str, digest: str) -> Event:
+        """An authentic body payhook cannot read: an event that can only be recorded."""
+        return cls(
+            event_id=event_id,
+            event_type=event_type,
+            kind=None,
+            occurred_at=None,
+            gateway_order_id=None,
+            merchant_reference=None,
+            amount_minor=None,
+            currency=None,
+            digest=digest,
+        )
+
+    @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Event:
         values = dict(data)
         if values.get("occurred_at"):

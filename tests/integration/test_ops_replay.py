@@ -167,17 +167,7 @@ def test_an_unreadable_event_is_not_replayed_but_can_be_resolved_by_hand(
 ) -> None:
     shop = factory.shop()
     endpoint = Endpoint(shop.endpoint_id, shop.tenant_id, "standard", (shop.secret,))
-    unreadable = Event(
-        event_id="msg_unreadable",
-        event_type="unreadable",
-        kind=None,
-        occurred_at=None,
-        gateway_order_id=None,
-        merchant_reference=None,
-        amount_minor=None,
-        currency=None,
-        digest="0" * 64,
-    )
+    unreadable = Event.unreadable("msg_unreadable", "unreadable", "0" * 64)
     applied = apply_event(conn, endpoint, unreadable, str(uuid.uuid4()), forced_outcome="malformed")
     assert applied.exception_id is not None
     with pytest.raises(NotReplayable):
