@@ -42,6 +42,43 @@ def test_valid_payment_is_applied_once(runtime: Runtime, factory: Factory) -> No
     assert factory.count("payment_outbox", order_id=order_id, action="fulfil_order") == 1
 
 
+def test_a_duplicate_never_locks_the_order(factory: Factory, settings: Settings) -> None:
+    """A redelivery answers at once while another transaction holds the order,
+    and leaves no lock of its own on the row (its transaction writes nothing)."""
+    shop = factory.shop()
+    order_id = factory.order(shop)
+    event = StandardEvent()
+    # Any statement, a lock wait included, is cancelled after a second.
+    pool = create_pool(settings, "test", size=1, statement_timeout=1.0)
+    pool.open(wait=True)
+    strict = Runtime(settings=settings, pool=pool)
+    try:
+        assert handle(strict, factory.standard_envelope(shop, event).to_json()).outcome == "applied"
+        locker = _order_xmax(factory, order_id)
+        assert (
+            handle(strict, factory.standard_envelope(shop, event).to_json()).outcome == "duplicate"
+        )
+        assert _order_xmax(factory, order_id) == locker, "the duplicate locked the order"
+        with psycopg.connect(settings.database_url) as holder:
+            holder.execute(
+                "SELECT 1 FROM payhook.payment_orders WHERE id = %s FOR UPDATE", (order_id,)
+            )
+            again = factory.standard_envelope(shop, event).to_json()
+            assert handle(strict, again).outcome == "duplicate"
+    finally:
+        pool.close()
+    assert factory.count("payment_order_transitions", order_id=order_id) == 1
+
+
+def _order_xmax(factory: Factory, order_id: str) -> str:
+    """The id of the last transaction that updated or locked the order's row."""
+    row = factory.conn.execute(
+        "SELECT xmax::text AS xmax FROM payhook.payment_orders WHERE id = %s", (order_id,)
+    ).fetchone()
+    assert row is not None
+    return str(row["xmax"])
+
+
 def test_twenty_threads_apply_one_event_once(
     runtime: Runtime, factory: Factory, settings: Settings
 ) -> None:
