@@ -10,7 +10,9 @@
     7 mark the receipt processed with its outcome; commit
 
 Locks are always taken receipt first, then order, so two events never wait
-on each other in opposite orders.
+on each other in opposite orders. Steps 2 and 3 are one statement, and so are
+5 to 7 (`sql/queries/consumer.sql`): a first delivery is BEGIN and three
+statements, in two round trips.
 
 Retention moves old receipts to an archive in transactions that delete the
 live row and insert the archived one at once. The archive is read by a
@@ -149,7 +151,8 @@ def apply_event(
             },
         )
         # Locked after the receipt, in the same transaction: the lock order
-        # is always receipt, then order. A duplicate holds it only briefly.
+        # is always receipt, then order. Only this delivery's own receipt
+        # takes the lock; a duplicate locks nothing.
         mapped = conn.execute(
             query("lock_mapped_order"),
             key
