@@ -158,7 +158,6 @@ def apply_event(
             key
             | {
                 "lock": acting,
-                "delivery_id": delivery_id,
                 "merchant_reference": event.merchant_reference,
                 "gateway_order_id": event.gateway_order_id,
             },
@@ -238,12 +237,11 @@ def write_transition(
     event: Event,
     order: Order,
     decision: Decision,
-) -> psycopg.Cursor[Row]:
+) -> None:
     """Queue the state change, its audit row, its outbox row and the receipt's
-    outcome, in one statement.
-
-    Returns its cursor: once synced, its row says `moved` = 1 if the order
-    moved (always, under the lock `apply_event` holds).
+    outcome, in one statement. If the order did not move (it always does,
+    under the lock the caller holds), the statement fails and with it the
+    transaction.
     """
     assert decision.action is not None, "every forward transition has a side effect"
     payload = {
@@ -258,7 +256,7 @@ def write_transition(
     }
     # The order is locked FOR UPDATE by this transaction: its state is the
     # one `decide` saw, so the move always happens.
-    return conn.execute(
+    conn.execute(
         query("apply_transition"),
         {
             "tenant_id": endpoint.tenant_id,

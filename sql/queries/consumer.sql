@@ -20,13 +20,16 @@ RETURNING event_id
 -- identity, live or archived (retention moves a receipt in one transaction,
 -- so one snapshot sees it in one of the two), and the order either
 -- identifier maps to, locked. The order is locked only when %(lock)s and the
--- live receipt is this delivery's: a duplicate locks nothing, writes nothing,
--- and commits without a WAL flush. One row without an order when none is
--- locked; two rows when the identifiers name different orders.
+-- live receipt is the one this transaction inserted (its xmin is our
+-- transaction id; a transaction that inserted nothing has none): a duplicate,
+-- a re-run of the same job included, locks nothing, writes nothing, and
+-- commits without a WAL flush. One row without an order when none is locked;
+-- two rows when the identifiers name different orders.
 SELECT r.live_sha256, r.archived_sha256,
        o.id, o.merchant_reference, o.gateway_order_id, o.amount_minor, o.currency,
        o.state, o.refunded_minor
-  FROM (SELECT live.payload_sha256 AS live_sha256, live.delivery_id AS live_delivery_id,
+  FROM (SELECT live.payload_sha256 AS live_sha256,
+               live.xmin = pg_current_xact_id_if_assigned()::xid AS inserted_here,
                (SELECT encode(payload_sha256, 'hex')
                   FROM payhook.payment_event_receipts_archive
                  WHERE tenant_id = %(tenant_id)s AND event_id = %(event_id)s) AS archived_sha256
@@ -39,7 +42,7 @@ SELECT r.live_sha256, r.archived_sha256,
                refunded_minor
           FROM payhook.payment_orders
          WHERE %(lock)s::boolean
-           AND r.live_delivery_id = %(delivery_id)s::uuid
+           AND r.inserted_here
            AND r.archived_sha256 IS NULL
            AND tenant_id = %(tenant_id)s
            AND (merchant_reference = %(merchant_reference)s
@@ -65,9 +68,11 @@ SELECT id, merchant_reference, gateway_order_id, amount_minor, currency, state,
    FOR UPDATE
 
 -- apply_transition --
--- Steps 5 to 7 in one statement: the one forward transition, its audit row
--- and its outbox row exist only if the order moved; the receipt is marked
--- processed either way. `moved` is 1 when the order moved.
+-- Steps 5 to 7 in one statement: the one forward transition, its audit row,
+-- its outbox row and the receipt's outcome. The caller holds the order
+-- FOR UPDATE, so it moves; were it ever not to, the outcome would be NULL,
+-- which the receipt's NOT NULL constraint refuses: the transaction fails
+-- rather than record an effect that did not happen.
 WITH moved AS (
     UPDATE payhook.payment_orders
        SET state = %(to_state)s, refunded_minor = %(refunded_minor)s, updated_at = now()
@@ -85,9 +90,9 @@ WITH moved AS (
         ON CONFLICT (tenant_id, event_id, action) DO NOTHING
 )
 UPDATE payhook.payment_event_receipts
-   SET outcome = %(outcome)s, order_id = %(order_id)s, processed_at = now()
+   SET outcome = CASE WHEN EXISTS (SELECT 1 FROM moved) THEN %(outcome)s END,
+       order_id = %(order_id)s, processed_at = now()
  WHERE tenant_id = %(tenant_id)s AND event_id = %(event_id)s
-RETURNING (SELECT count(*) FROM moved) AS moved
 
 -- insert_outbox --
 -- A side effect to perform after commit; one per (event, action).

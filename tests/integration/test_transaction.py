@@ -12,8 +12,11 @@ import pytest
 from redis import Redis
 
 from consumer.handler import Runtime, handle
+from consumer.rules import Decision, Order
+from consumer.transaction import Endpoint, write_transition
 from payhook import counters
-from payhook.db import create_pool
+from payhook.db import Row, create_pool, execute
+from payhook.gateways import get_gateway
 from payhook.settings import Settings
 from tests.factories import Factory, StandardEvent, envelope, stripe_body, stripe_headers
 
@@ -43,31 +46,66 @@ def test_valid_payment_is_applied_once(runtime: Runtime, factory: Factory) -> No
 
 
 def test_a_duplicate_never_locks_the_order(factory: Factory, settings: Settings) -> None:
-    """A redelivery answers at once while another transaction holds the order,
-    and leaves no lock of its own on the row (its transaction writes nothing)."""
+    """A redelivery, or the same job run again, answers at once while another
+    transaction holds the order, and leaves no lock of its own on the row
+    (its transaction writes nothing)."""
     shop = factory.shop()
     order_id = factory.order(shop)
     event = StandardEvent()
+    job = factory.standard_envelope(shop, event).to_json()
     # Any statement, a lock wait included, is cancelled after a second.
     pool = create_pool(settings, "test", size=1, statement_timeout=1.0)
     pool.open(wait=True)
     strict = Runtime(settings=settings, pool=pool)
     try:
-        assert handle(strict, factory.standard_envelope(shop, event).to_json()).outcome == "applied"
+        assert handle(strict, job).outcome == "applied"
         locker = _order_xmax(factory, order_id)
-        assert (
-            handle(strict, factory.standard_envelope(shop, event).to_json()).outcome == "duplicate"
-        )
-        assert _order_xmax(factory, order_id) == locker, "the duplicate locked the order"
+        redelivery = factory.standard_envelope(shop, event).to_json()
+        for again in (job, redelivery):
+            assert handle(strict, again).outcome == "duplicate"
+            assert _order_xmax(factory, order_id) == locker, "the duplicate locked the order"
         with psycopg.connect(settings.database_url) as holder:
             holder.execute(
                 "SELECT 1 FROM payhook.payment_orders WHERE id = %s FOR UPDATE", (order_id,)
             )
-            again = factory.standard_envelope(shop, event).to_json()
-            assert handle(strict, again).outcome == "duplicate"
+            for again in (job, redelivery):
+                assert handle(strict, again).outcome == "duplicate"
     finally:
         pool.close()
     assert factory.count("payment_order_transitions", order_id=order_id) == 1
+
+
+def test_a_transition_whose_order_did_not_move_fails_the_transaction(
+    conn: psycopg.Connection[Row], factory: Factory
+) -> None:
+    """Were the order's state ever not the one decided on, the write statement
+    refuses to mark the receipt: nothing is recorded as applied."""
+    shop = factory.shop()
+    order_id = factory.order(shop)
+    event = StandardEvent()
+    endpoint = Endpoint(shop.endpoint_id, shop.tenant_id, "standard", (shop.secret,))
+    job = factory.standard_envelope(shop, event)
+    parsed = get_gateway("standard").parse(job.headers, job.body)
+    # The order is pending; the transition is written as if it were failed.
+    stale = Order(order_id, "order-1", "pi_1", 1999, "EUR", state="failed", refunded_minor=0)
+    receipt = {
+        "tenant_id": shop.tenant_id,
+        "event_id": parsed.event_id,
+        "event_type": parsed.event_type,
+        "digest": parsed.digest,
+        "endpoint_id": shop.endpoint_id,
+        "gateway": "standard",
+        "delivery_id": job.delivery_id,
+        "occurred_at": parsed.occurred_at,
+    }
+    with pytest.raises(psycopg.errors.NotNullViolation), conn.transaction():
+        execute(conn, "insert_receipt", receipt)
+        write_transition(
+            conn, endpoint, parsed, stale, Decision("applied", to_state="paid", refunded_minor=0)
+        )
+    assert factory.order_state(shop, order_id) == "pending"
+    assert factory.count("payment_event_receipts") == 0
+    assert factory.count("payment_outbox", order_id=order_id) == 0
 
 
 def _order_xmax(factory: Factory, order_id: str) -> str:
