@@ -43,10 +43,12 @@ from consumer.transaction import Endpoint, apply_event
 from payhook import admin
 from payhook.db import connect
 from payhook.envelope import Envelope
-from payhook.gateways import get_gateway, standard
+from payhook.gateways import get_gateway
 from payhook.migrations import apply_migrations
 from payhook.queue import enqueue_event, events_queue
 from payhook.settings import Settings
+from tests.factories import StandardEvent
+from tests.processes import process_env
 
 PG = os.environ.get("PAYHOOK_BENCH_PG", "postgresql://postgres@127.0.0.1:5432")
 #: A Redis server to use instead of starting one (its database is flushed).
@@ -72,17 +74,11 @@ def make_events(settings: Settings, count: int) -> tuple[Endpoint, list[Envelope
         envelopes = []
         for i in range(count):
             admin.add_order(conn, tenant, f"ref-{i}", f"pi_{i}", 1500, "EUR")
-            body = (
-                b'{"type":"payment.succeeded","timestamp":"2026-11-30T00:00:00Z","data":'
-                + f'{{"gateway_order_id":"pi_{i}","merchant_reference":"ref-{i}",'
-                f'"amount":1500,"currency":"EUR"}}}}'.encode()
+            event = StandardEvent(
+                gateway_order_id=f"pi_{i}", merchant_reference=f"ref-{i}", amount=1500
             )
-            event_id, ts = f"msg_{uuid.uuid4().hex}", int(time.time())
-            headers = {
-                "webhook-id": event_id,
-                "webhook-timestamp": str(ts),
-                "webhook-signature": standard.sign(endpoint.secret, event_id, ts, body),
-            }
+            body = event.body()
+            headers = event.headers(endpoint.secret, body)
             envelopes.append(
                 Envelope(endpoint.endpoint_id, body, headers, datetime.now(UTC), str(uuid.uuid4()))
             )
@@ -109,12 +105,7 @@ def run_workers(
             job.func_name = "bench.consumer_worker.noop"
             job.save()
         ids.append(job.id)
-    env = os.environ | {
-        "DATABASE_URL": str(settings.database_url),
-        "REDIS_URL": str(settings.redis_url),
-        "PAYHOOK_QUEUE": settings.queue,
-        "PAYHOOK_LOG_LEVEL": "INFO",
-    }
+    env = process_env(settings)
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "bench.consumer_worker", mode, kind],

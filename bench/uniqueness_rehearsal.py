@@ -27,15 +27,11 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import signal
-import subprocess
-import sys
 import tempfile
 import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -50,11 +46,12 @@ from rq.serializers import JSONSerializer
 from payhook import admin
 from payhook.db import Row, connect
 from payhook.envelope import Envelope
-from payhook.gateways import standard
 from payhook.migrations import apply_migrations, list_migrations
 from payhook.queue import enqueue_event, events_queue
 from payhook.settings import Settings
 from payhook.uniqueness import UniqueRule, check_rule, resolve_rule
+from tests.factories import StandardEvent
+from tests.processes import process_env, start, stop, wait_until
 
 PG = os.environ.get("PAYHOOK_BENCH_PG", "postgresql://postgres@127.0.0.1:5432")
 REDIS = os.environ.get("PAYHOOK_BENCH_REDIS", "redis://127.0.0.1:6379/13")
@@ -157,12 +154,13 @@ def rehearse(settings: Settings, redis: Redis, workdir: Path, plan: Plan) -> Fig
     folder = _migrations_with_rule(workdir)
     queue = events_queue(redis, settings)
     consumers = [
-        _start_consumer(settings, workdir / f"consumer-{i}.log") for i in range(plan.workers)
+        start(["consumer"], process_env(settings), workdir / f"consumer-{i}.log")
+        for i in range(plan.workers)
     ]
     feeder = _Feeder(settings, redis, endpoint, plan.rate)
     windows: dict[str, tuple[datetime, datetime]] = {}
     try:
-        _wait_until(lambda: len(_worker_names(redis, settings)) >= plan.workers, 60, "consumers")
+        wait_until(lambda: len(_worker_names(redis, settings)) >= plan.workers, 60, "consumers")
         feeder.start()
         time.sleep(plan.warmup)
         for phase in PHASES:
@@ -182,11 +180,11 @@ def rehearse(settings: Settings, redis: Redis, workdir: Path, plan: Plan) -> Fig
             windows[phase] = (started, datetime.now(UTC))
             figures.durations[phase] = time.perf_counter() - clock
         feeder.stop()
-        _wait_until(lambda: _drained(redis, feeder.job_ids), 120, "the queue to drain")
+        wait_until(lambda: _drained(redis, feeder.job_ids), 120, "the queue to drain")
     finally:
         feeder.stop()
         for proc in consumers:
-            _stop(proc)
+            stop(proc, timeout=20)
     _measure(figures, redis, feeder.job_ids, windows)
     figures.failed_jobs = len(FailedJobRegistry(queue=queue))
     figures.consumer_errors = sum(_errors(p.read_text()) for p in workdir.glob("consumer-*.log"))
@@ -313,56 +311,14 @@ class _Feeder:
 
     def _envelope(self, i: int) -> Envelope:
         amount = 1 if i % MISMATCH_EVERY == MISMATCH_EVERY - 1 else 1500
-        body = (
-            b'{"type":"payment.succeeded","timestamp":"'
-            + datetime.now(UTC).isoformat().encode()
-            + f'","data":{{"gateway_order_id":"pi_{i}","merchant_reference":"r-{i}",'
-            f'"amount":{amount},"currency":"EUR"}}}}'.encode()
+        event = StandardEvent(
+            gateway_order_id=f"pi_{i}", merchant_reference=f"r-{i}", amount=amount
         )
-        event_id, ts = f"msg_{uuid.uuid4().hex}", int(time.time())
-        headers = {
-            "webhook-id": event_id,
-            "webhook-timestamp": str(ts),
-            "webhook-signature": standard.sign(self.endpoint.secret, event_id, ts, body),
-        }
+        body = event.body()
+        headers = event.headers(self.endpoint.secret, body)
         return Envelope(
             self.endpoint.endpoint_id, body, headers, datetime.now(UTC), str(uuid.uuid4())
         )
-
-
-def _start_consumer(settings: Settings, log: Path) -> subprocess.Popen[bytes]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PAYHOOK_")}
-    env |= {
-        "DATABASE_URL": str(settings.database_url),
-        "REDIS_URL": str(settings.redis_url),
-        "PAYHOOK_QUEUE": settings.queue,
-        "PAYHOOK_LOG_LEVEL": "INFO",
-    }
-    with log.open("ab") as out:
-        return subprocess.Popen(
-            [sys.executable, "-m", "payhook.cli", "consumer"],
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    for sig, wait in ((signal.SIGTERM, 20.0), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-            break
-        except subprocess.TimeoutExpired:
-            continue
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)  # RQ's scheduler child
-    except ProcessLookupError:
-        pass
 
 
 def _worker_names(redis: Redis, settings: Settings) -> list[str]:
@@ -374,14 +330,6 @@ def _worker_names(redis: Redis, settings: Settings) -> list[str]:
 def _drained(redis: Redis, job_ids: list[str]) -> bool:
     jobs = Job.fetch_many(job_ids, connection=redis, serializer=JSONSerializer)
     return all(j is not None and j.ended_at is not None for j in jobs)
-
-
-def _wait_until(check: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.2)
 
 
 # Figures

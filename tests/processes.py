@@ -14,6 +14,7 @@ from payhook.settings import Settings
 
 
 def process_env(settings: Settings, **extra: str) -> dict[str, str]:
+    """The environment of a payhook process with `settings`: none of ours inherited."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PAYHOOK_")}
     env |= {
         "DATABASE_URL": str(settings.database_url),
@@ -22,6 +23,17 @@ def process_env(settings: Settings, **extra: str) -> dict[str, str]:
         "PAYHOOK_LOG_LEVEL": "INFO",
     }
     return env | extra
+
+
+def run_cli(settings: Settings, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """`payhook ARGS` run to completion with `settings` (and `env` on top); its output."""
+    return subprocess.run(
+        [sys.executable, "-m", "payhook.cli", *args],
+        env=process_env(settings, **env),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def start(args: list[str], env: Mapping[str, str], log: Path) -> subprocess.Popen[bytes]:

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import threading
 import time
 from collections import Counter
@@ -25,6 +22,7 @@ from payhook.retention import run_retention
 from payhook.settings import Settings
 from tests.conftest import test_settings
 from tests.factories import Factory, Shop, StandardEvent, envelope, stripe_body, stripe_headers
+from tests.processes import run_cli
 
 DAY = 86400
 
@@ -423,18 +421,6 @@ def test_delivered_outbox_resolved_exceptions_and_anomalies_follow_their_own_ret
     assert result.receipts_archived == 0
 
 
-def run_cli(database: str, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("PAYHOOK_")}
-    environ |= {"DATABASE_URL": str(test_settings(database).database_url)} | env
-    return subprocess.run(
-        [sys.executable, "-m", "payhook.cli", *args],
-        env=environ,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-
-
 def test_retention_command_dry_run_then_run(
     runtime: Runtime, factory: Factory, database: str
 ) -> None:
@@ -444,12 +430,14 @@ def test_retention_command_dry_run_then_run(
     deliver(runtime, factory, shop, event)
     age_receipts(factory.conn, 38, event.event_id)
 
-    dry = run_cli(database, "retention", "run", "--dry-run", PAYHOOK_RECEIPT_RETENTION="37d")
+    dry = run_cli(
+        test_settings(database), "retention", "run", "--dry-run", PAYHOOK_RECEIPT_RETENTION="37d"
+    )
     assert dry.returncode == 0, dry.stderr
     assert json.loads(dry.stdout)["receipts_archived"] == 1
     assert live_ids(factory.conn) == {event.event_id}
 
-    done = run_cli(database, "retention", "run", PAYHOOK_RECEIPT_RETENTION="37d")
+    done = run_cli(test_settings(database), "retention", "run", PAYHOOK_RECEIPT_RETENTION="37d")
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["receipts_archived"] == 1
     assert archived_ids(factory.conn) == {event.event_id}
@@ -458,7 +446,7 @@ def test_retention_command_dry_run_then_run(
 def test_retention_command_refuses_a_retention_inside_the_redelivery_window(
     database: str,
 ) -> None:
-    result = run_cli(database, "retention", "run", PAYHOOK_RECEIPT_RETENTION="7d")
+    result = run_cli(test_settings(database), "retention", "run", PAYHOOK_RECEIPT_RETENTION="7d")
     assert result.returncode == 2
     assert "PAYHOOK_RECEIPT_RETENTION" in result.stderr and "37d" in result.stderr
 

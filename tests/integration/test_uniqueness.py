@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -32,6 +29,7 @@ from payhook.uniqueness import (
     rules_in,
 )
 from tests.conftest import PG_SERVER, test_settings
+from tests.processes import run_cli
 
 RULE = "payment_exceptions_event_kind_key"
 #: One exception per event and kind, added the live-table way.
@@ -74,18 +72,6 @@ def add_exception(
         "INSERT INTO payhook.payment_exceptions (tenant_id, event_id, kind, detail, event)"
         " VALUES (%s, %s, %s, %s, %s)",
         (tenant_id, event_id, kind, Jsonb(detail or {"expected": 1999}), Jsonb({"id": event_id})),
-    )
-
-
-def run_cli(database: str, *args: str) -> subprocess.CompletedProcess[str]:
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("PAYHOOK_")}
-    environ["DATABASE_URL"] = str(test_settings(database).database_url)
-    return subprocess.run(
-        [sys.executable, "-m", "payhook.cli", *args],
-        env=environ,
-        capture_output=True,
-        text=True,
-        timeout=60,
     )
 
 
@@ -392,7 +378,7 @@ def test_uniqueness_commands_check_then_resolve(
     add_exception(conn, "evt_1")
     rule = ["--rule", RULE, "--table", "payhook.payment_exceptions"]
     rule += ["--columns", "tenant_id,event_id,kind"]
-    check = run_cli(database, "uniqueness", "check", *rule)
+    check = run_cli(test_settings(database), "uniqueness", "check", *rule)
     assert check.returncode == 1, check.stderr
     assert json.loads(check.stdout) | {"ignored": None} == {
         "rule": RULE,
@@ -405,13 +391,13 @@ def test_uniqueness_commands_check_then_resolve(
         "distinct": 0,
         "distinct_examples": [],
     }
-    resolve = run_cli(database, "uniqueness", "resolve", *rule)
+    resolve = run_cli(test_settings(database), "uniqueness", "resolve", *rule)
     assert resolve.returncode == 0, resolve.stderr
     assert json.loads(resolve.stdout)["quarantined"] == 1
-    assert run_cli(database, "uniqueness", "check", *rule).returncode == 0
+    assert run_cli(test_settings(database), "uniqueness", "check", *rule).returncode == 0
 
 
 def test_without_a_pending_rule_the_check_has_nothing_to_do(database: str) -> None:
-    result = run_cli(database, "uniqueness", "check")
+    result = run_cli(test_settings(database), "uniqueness", "check")
     assert result.returncode == 0
     assert "no pending migration" in result.stderr
