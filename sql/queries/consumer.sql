@@ -95,7 +95,8 @@ UPDATE payhook.payment_event_receipts
  WHERE tenant_id = %(tenant_id)s AND event_id = %(event_id)s
 
 -- insert_outbox --
--- A side effect to perform after commit; one per (event, action).
+-- One outbox row on its own, for seeding the outbox worker's tests and
+-- benchmark; the consumer writes its rows in apply_transition.
 INSERT INTO payhook.payment_outbox (id, tenant_id, order_id, event_id, action, payload)
 VALUES (%(id)s, %(tenant_id)s, %(order_id)s, %(event_id)s, %(action)s, %(payload)s)
 ON CONFLICT (tenant_id, event_id, action) DO NOTHING
