@@ -7,10 +7,11 @@ job to the next: the job id, the compressed call data and two timestamps.
 Each request fills them in; no RQ object is built on the request path.
 
 A second recording, for another envelope, must come out identical to the
-template rendered for that envelope (the call data compared decompressed: it
-is compressed faster than RQ does, and RQ reads any zlib level); if RQ ever
-writes something else per job, the ingress refuses to start rather than write
-jobs the workers cannot run.
+template rendered for that envelope, the call data compared as a worker reads
+it (decompressed and parsed: the ingress serializes it with orjson and
+compresses it faster than RQ does; RQ's JSON serializer reads any JSON, its
+worker any zlib level); if RQ ever writes something else per job, the ingress
+refuses to start rather than write jobs the workers cannot run.
 
 On the wire, jobs are the arguments of an `EVAL` of `REPLAY_SCRIPT`, which
 runs their commands atomically; one `EVAL` carries every job of a batch. A
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+import orjson
 from redis import Redis
 from redis.client import Pipeline
 from rq.serializers import JSONSerializer
@@ -139,10 +141,12 @@ def _bulk(arg: bytes) -> bytes:
 
 
 def call_data(envelope: Envelope) -> bytes:
-    """The `data` field of the job: the call, serialized as RQ's JSONSerializer does.
+    """The `data` field of the job: the call as JSON, which RQ's JSONSerializer reads.
 
-    Compressed at `ZLIB_LEVEL` rather than RQ's default: a worker decompresses
-    any level, and the fastest one is worth half the CPU of this request path.
+    Serialized by orjson, in a tenth of the time `json` takes for a job of
+    this size, and compressed at `ZLIB_LEVEL` rather than RQ's default: a
+    worker decompresses any level, and the fastest one is worth half the CPU
+    compression would otherwise cost on this request path.
     """
     call: tuple[str, None, tuple[dict[str, Any]], dict[str, Any]] = (
         APPLY_EVENT,
@@ -150,9 +154,7 @@ def call_data(envelope: Envelope) -> bytes:
         (envelope.to_json(),),
         {},
     )
-    # RQ's serializer is unannotated; it returns UTF-8 JSON bytes.
-    data: bytes = JSONSerializer.dumps(call)  # type: ignore[no-untyped-call]
-    return zlib.compress(data, ZLIB_LEVEL)
+    return zlib.compress(orjson.dumps(call), ZLIB_LEVEL)
 
 
 @dataclass(frozen=True)
@@ -201,7 +203,7 @@ class JobTemplate:
         recorded = record_commands(settings, check)
         times = _times(recorded)
         rendered = template.render(check, times)
-        if _decompressed(rendered) != _decompressed(recorded):
+        if as_read(rendered) != as_read(recorded):
             raise JobFormatChanged(
                 "the job recorded from RQ differs from the template in more than its id, "
                 "data and timestamps; update ingress.jobs for this RQ version"
@@ -275,11 +277,12 @@ def rq_time(moment: datetime) -> bytes:
     return moment.isoformat(timespec="microseconds").removesuffix("+00:00").encode() + b"Z"
 
 
-def _decompressed(commands: list[Command]) -> list[Command]:
-    """The commands with the call data decompressed, to compare what a worker reads."""
+def as_read(commands: Sequence[Command]) -> list[list[Any]]:
+    """The commands with the call data as a worker reads it: decompressed, deserialized."""
     return [
         [
-            zlib.decompress(arg)
+            # RQ's serializer is unannotated; it returns the call as a list.
+            JSONSerializer.loads(zlib.decompress(arg))  # type: ignore[no-untyped-call]
             if _is_hash_value(command, i) and command[i - 1] == DATA_FIELD
             else arg
             for i, arg in enumerate(command)

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from redis.connection import Connection
 from rq import Queue
+from rq.serializers import JSONSerializer
 from rq.utils import utcformat
 
 from ingress import jobs
@@ -39,14 +40,14 @@ def envelope(body: bytes = b'{"type": "payment.succeeded"}') -> Envelope:
     )
 
 
-def decompressed(commands: list[list[bytes]]) -> list[list[bytes]]:
-    """The commands with the job's call data decompressed: what a worker reads."""
-    out = []
+def as_read(commands: list[list[bytes]]) -> list[list[Any]]:
+    """The commands with the job's call data as a worker reads it."""
+    out: list[list[Any]] = []
     for command in commands:
-        args = list(command)
+        args: list[Any] = list(command)
         if args[0] == b"HSET" and b"data" in args[2::2]:
             index = args.index(b"data", 2) + 1
-            args[index] = zlib.decompress(args[index])
+            args[index] = JSONSerializer.loads(zlib.decompress(args[index]))
         out.append(args)
     return out
 
@@ -62,7 +63,7 @@ def test_template_renders_the_commands_enqueue_event_sends() -> None:
     event = envelope(b'{"id": "evt_1", "amount": 1999}' * 20)
     recorded = record_commands(SETTINGS, event)
     rendered = template.render(event, times(recorded))
-    assert decompressed(rendered) == decompressed(recorded)
+    assert as_read(rendered) == as_read(recorded)
     # The job names its id, the queue and the retry policy of payhook.queue.
     flat = b" ".join(arg for command in recorded for arg in command)
     assert event.delivery_id.encode() in flat
@@ -143,3 +144,17 @@ def test_recording_needs_no_redis() -> None:
 )
 def test_timestamps_are_written_as_rq_writes_them(moment: datetime) -> None:
     assert rq_time(moment) == utcformat(moment).encode()
+
+
+def test_call_data_reads_back_as_the_envelope_through_rqs_serializer() -> None:
+    """orjson writes the call, RQ's JSONSerializer reads it: any body bytes, any header text."""
+    event = Envelope(
+        endpoint_id=str(uuid.uuid4()),
+        body=bytes(range(256)) + "é€".encode(),
+        headers={"webhook-id": "msg_é", "webhook-signature": "v1,\x7f\xff"},
+        received_at=datetime.now(UTC),
+        delivery_id=str(uuid.uuid4()),
+    )
+    func, instance, args, kwargs = JSONSerializer.loads(zlib.decompress(jobs.call_data(event)))
+    assert (func, instance, kwargs) == ("consumer.jobs.apply_event", None, {})
+    assert Envelope.from_json(args[0]) == event
