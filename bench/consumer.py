@@ -27,8 +27,10 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -38,7 +40,13 @@ from redis import Redis
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from bench.services import FSYNC_CHOICES, private_redis
+from bench.services import (
+    FSYNC_CHOICES,
+    cpu_seconds,
+    parent_pid,
+    private_redis,
+    server_cpu_seconds,
+)
 from consumer.transaction import Endpoint, apply_event
 from payhook import admin
 from payhook.db import connect
@@ -85,10 +93,32 @@ def make_events(settings: Settings, count: int) -> tuple[Endpoint, list[Envelope
     return Endpoint(endpoint.endpoint_id, tenant, "standard", (endpoint.secret,)), envelopes
 
 
+@dataclass(frozen=True)
+class Meters:
+    """Local processes whose CPU a phase is charged with; None where unknown."""
+
+    redis: int | None
+    postmaster: int | None
+
+
+@dataclass(frozen=True)
+class Phase:
+    rate: float
+    #: CPU µs per job: "workers", "redis", "postgres" (None where not measured).
+    cpu_us: dict[str, float | None]
+
+
 def run_workers(
-    settings: Settings, redis: Redis, envelopes: list[Envelope], mode: str, kind: str, workers: int
-) -> float:
-    """Enqueue one job per envelope, drain with `workers` processes; jobs per second."""
+    settings: Settings,
+    redis: Redis,
+    envelopes: list[Envelope],
+    mode: str,
+    kind: str,
+    workers: int,
+    meters: Meters,
+) -> Phase:
+    """Enqueue one job per envelope, drain with `workers` processes: jobs per
+    second, and the CPU each kind of process spent per job while they worked."""
     redis.flushdb()
     queue = events_queue(redis, settings)
     ids = []
@@ -106,24 +136,63 @@ def run_workers(
             job.save()
         ids.append(job.id)
     env = process_env(settings)
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "bench.consumer_worker", mode, kind],
-            env=env,
-            stdout=subprocess.DEVNULL,
-        )
-        for _ in range(workers)
-    ]
-    for proc in procs:
-        if proc.wait(timeout=600) != 0:
-            raise SystemExit(f"a {mode}/{kind} worker failed")
+    with tempfile.TemporaryDirectory(prefix="payhook-bench-cpu-") as folder:
+        cpu_files = [os.path.join(folder, str(i)) for i in range(workers)]
+        servers_before = _servers_cpu(meters)
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", "bench.consumer_worker", mode, kind, cpu_file],
+                env=env,
+                stdout=subprocess.DEVNULL,
+            )
+            for cpu_file in cpu_files
+        ]
+        for proc in procs:
+            if proc.wait(timeout=600) != 0:
+                raise SystemExit(f"a {mode}/{kind} worker failed")
+        _wait_for_backends_to_exit(settings)
+        servers_after = _servers_cpu(meters)
+        worker_cpu = sum(float(open(path).read()) for path in cpu_files)
     jobs = Job.fetch_many(ids, connection=redis, serializer=JSONSerializer)
     unfinished = [j for j in jobs if j is None or j.ended_at is None]
     if unfinished:
         raise SystemExit(f"{len(unfinished)} jobs did not finish")
     start = min(j.started_at for j in jobs if j and j.started_at)
     end = max(j.ended_at for j in jobs if j and j.ended_at)
-    return len(ids) / (end - start).total_seconds()
+    per_job = 1e6 / len(ids)
+    cpu: dict[str, float | None] = {"workers": worker_cpu * per_job}
+    for name, before in servers_before.items():
+        after = servers_after[name]
+        cpu[name] = None if before is None or after is None else (after - before) * per_job
+    return Phase(len(ids) / (end - start).total_seconds(), cpu)
+
+
+def _servers_cpu(meters: Meters) -> dict[str, float | None]:
+    return {
+        "redis": None if meters.redis is None else cpu_seconds(meters.redis),
+        "postgres": None if meters.postmaster is None else server_cpu_seconds(meters.postmaster),
+    }
+
+
+def _wait_for_backends_to_exit(settings: Settings, timeout: float = 10.0) -> None:
+    """The workers' PostgreSQL backends end after them; their CPU counts once they have."""
+    deadline = time.monotonic() + timeout
+    with connect(settings) as conn:
+        while time.monotonic() < deadline:
+            row: Any = conn.execute(
+                "SELECT count(*) AS n FROM pg_stat_activity"
+                " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            ).fetchone()
+            if row["n"] == 0:
+                return
+            time.sleep(0.02)
+
+
+def find_meters(settings: Settings, redis_pid: int | None) -> Meters:
+    """The postmaster of the benchmark's database, when it runs on this machine."""
+    with connect(settings) as conn:
+        row: Any = conn.execute("SELECT pg_backend_pid() AS pid").fetchone()
+    return Meters(redis=redis_pid, postmaster=parent_pid(row["pid"]))
 
 
 def _direct(
@@ -183,36 +252,36 @@ def main() -> None:
     parser.add_argument("--fsync", choices=FSYNC_CHOICES, default="always")
     args = parser.parse_args()
     if REDIS:
-        run(args, REDIS, "PAYHOOK_BENCH_REDIS")
+        run(args, REDIS, None, "PAYHOOK_BENCH_REDIS")
     else:
-        with private_redis(args.fsync) as (redis_url, _):
-            run(args, redis_url, f"private, appendfsync={args.fsync}")
+        with private_redis(args.fsync) as (redis_url, redis_pid):
+            run(args, redis_url, redis_pid, f"private, appendfsync={args.fsync}")
 
 
-def run(args: argparse.Namespace, redis_url: str, redis_label: str) -> None:
+def run(args: argparse.Namespace, redis_url: str, redis_pid: int | None, redis_label: str) -> None:
     n, w = args.events, args.workers
     redis = Redis.from_url(redis_url)
-    rates: dict[str, list[float]] = {
-        name: [] for name in ("noop", "direct", "applied", "duplicates")
-    }
+    phases: dict[str, list[Phase]] = {name: [] for name in ("noop", "applied", "duplicates")}
+    direct_rates: list[float] = []
     fork = 0.0
     # Rounds interleave the phases, so a burst of load elsewhere on the
     # machine hits ceilings and payhook alike; the medians are reported.
     for round_ in range(args.rounds):
         settings = fresh_settings(redis_url)
+        meters = find_meters(settings, redis_pid)
         endpoint, envelopes = make_events(settings, 2 * n)
         direct_set, queued_set = envelopes[:n], envelopes[n:]
-        rates["noop"].append(run_workers(settings, redis, queued_set, "noop", "simple", w))
-        rates["applied"].append(run_workers(settings, redis, queued_set, "apply", "simple", w))
-        rates["duplicates"].append(run_workers(settings, redis, queued_set, "apply", "simple", w))
-        rates["direct"].append(run_direct(settings, endpoint, direct_set, w))
+        for name, mode in (("noop", "noop"), ("applied", "apply"), ("duplicates", "apply")):
+            phases[name].append(run_workers(settings, redis, queued_set, mode, "simple", w, meters))
+        direct_rates.append(run_direct(settings, endpoint, direct_set, w))
         assert count(settings, "payment_outbox") == 2 * n, "every event applied exactly once"
         if round_ == 0:
-            fork = run_workers(settings, redis, queued_set, "noop", "fork", w)
+            fork = run_workers(settings, redis, queued_set, "noop", "fork", w, meters).rate
     redis.flushdb()
-    noop, direct, applied, duplicates = (
-        statistics.median(rates[k]) for k in ("noop", "direct", "applied", "duplicates")
+    noop, applied, duplicates = (
+        statistics.median(p.rate for p in phases[k]) for k in ("noop", "applied", "duplicates")
     )
+    direct = statistics.median(direct_rates)
     print(
         f"consumer benchmark: {n} events x {args.rounds} rounds, {w} worker processes, "
         f"{os.cpu_count()} cores (medians); Redis {redis_label}"
@@ -232,9 +301,33 @@ def run(args: argparse.Namespace, redis_url: str, redis_label: str) -> None:
         f"(one duplicate costs {applied / duplicates:.2f}x a first delivery)"
     )
     # Each round measures its no-op ceiling and first deliveries back to back.
-    pairs = zip(rates["applied"], rates["noop"], strict=True)
-    per_round = ", ".join(f"{first / ceiling:.0%}" for first, ceiling in pairs)
+    pairs = zip(phases["applied"], phases["noop"], strict=True)
+    per_round = ", ".join(f"{first.rate / ceiling.rate:.0%}" for first, ceiling in pairs)
     print(f"  first delivery / no-op, per round  [{per_round}]")
+    print_cpu(phases)
+
+
+def print_cpu(phases: dict[str, list[Phase]]) -> None:
+    """CPU per job by kind of process (medians), and the rate it alone would allow."""
+    kinds = ("workers", "redis", "postgres")
+    print("CPU per job, µs (medians)        workers    Redis  PostgreSQL     all")
+    totals = {}
+    for name, label in (
+        ("noop", "RQ no-op jobs"),
+        ("applied", "payhook, first delivery"),
+        ("duplicates", "payhook, duplicates"),
+    ):
+        medians = {}
+        for kind in kinds:
+            values = [v for p in phases[name] if (v := p.cpu_us[kind]) is not None]
+            medians[kind] = statistics.median(values) if values else None
+        totals[name] = sum(v for v in medians.values() if v is not None)
+        cells = "".join(f"{'-' if medians[k] is None else f'{medians[k]:,.0f}':>10}" for k in kinds)
+        print(f"  {label:28s}{cells}{totals[name]:>10,.0f}")
+    print(
+        "  were the machine's CPU the only limit, first deliveries would run at "
+        f"{totals['noop'] / totals['applied']:.0%} of the no-op rate"
+    )
 
 
 if __name__ == "__main__":

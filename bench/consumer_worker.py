@@ -1,12 +1,17 @@
 """A consumer worker for the benchmark: the real one, or a no-op ceiling.
 
-python -m bench.consumer_worker apply|noop simple|fork
+python -m bench.consumer_worker apply|noop simple|fork [CPU_FILE]
+
+With CPU_FILE, the worker writes there the CPU seconds it spent working
+(dequeueing and running jobs until the queue was empty), start-up excluded.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import time
+from pathlib import Path
 from typing import Any
 
 from rq.serializers import JSONSerializer
@@ -42,7 +47,7 @@ class SimpleBenchWorker(PayhookWorker):
     job_class = BenchJob
 
 
-def main(mode: str, kind: str) -> int:
+def main(mode: str, kind: str, cpu_file: str | None = None) -> int:
     settings = Settings.from_env(os.environ)
     configure_logging(settings.log_level)
     if mode == "apply":
@@ -58,9 +63,12 @@ def main(mode: str, kind: str) -> int:
         job_class=BenchJob,
     )
     worker.log_job_description = False
+    started = time.process_time()
     worker.work(burst=True, logging_level="ERROR")
+    if cpu_file:
+        Path(cpu_file).write_text(str(time.process_time() - started))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], sys.argv[2]))
+    sys.exit(main(*sys.argv[1:4]))

@@ -63,3 +63,36 @@ def private_redis(fsync: str) -> Iterator[tuple[str, int]]:
             yield f"redis://127.0.0.1:{port}/0", proc.pid
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def cpu_seconds(pid: int, *, reaped_children: bool = False) -> float:
+    """User and system CPU seconds a local process has used, with those of its
+    children that exited and were reaped if asked; 0.0 once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            # Fields after the command name: state, ppid, ... utime is the 14th field.
+            fields = stat.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    ticks = int(fields[11]) + int(fields[12])
+    if reaped_children:
+        ticks += int(fields[13]) + int(fields[14])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def server_cpu_seconds(server: int) -> float:
+    """CPU seconds of a forking server (the postmaster): its own, its live
+    children's, and those of children that exited (backends of closed connections)."""
+    total = 0.0
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and parent_pid(int(entry)) == server:
+            total += cpu_seconds(int(entry))
+    return total + cpu_seconds(server, reaped_children=True)
+
+
+def parent_pid(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return int(stat.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
