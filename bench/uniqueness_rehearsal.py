@@ -25,6 +25,7 @@ applied exactly once, and the index is valid and backs the constraint.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import tempfile
@@ -371,7 +372,15 @@ def _measure(
 
 def _errors(log: str) -> int:
     """Error lines of a consumer log: structlog's JSON errors and any traceback."""
-    return sum('"level": "error"' in line or "Traceback" in line for line in log.splitlines())
+    return sum(_level(line) == "error" or "Traceback" in line for line in log.splitlines())
+
+
+def _level(line: str) -> object:
+    try:
+        data = json.loads(line)
+    except ValueError:
+        return None
+    return data.get("level") if isinstance(data, dict) else None
 
 
 def _aware(moment: datetime) -> datetime:

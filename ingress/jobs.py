@@ -143,8 +143,8 @@ def _bulk(arg: bytes) -> bytes:
 def call_data(envelope: Envelope) -> bytes:
     """The `data` field of the job: the call as JSON, which RQ's JSONSerializer reads.
 
-    Serialized by orjson, in a tenth of the time `json` takes for a job of
-    this size, and compressed at `ZLIB_LEVEL` rather than RQ's default: a
+    Serialized by orjson, over ten times faster than `json` for a job of this
+    size, and compressed at `ZLIB_LEVEL` rather than RQ's default: a
     worker decompresses any level, and the fastest one is worth half the CPU
     compression would otherwise cost on this request path.
     """

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
+from json import dumps as json_dumps
 from typing import Any, TextIO
 
 import orjson
@@ -17,14 +17,14 @@ ORJSON_OPTIONS = orjson.OPT_NON_STR_KEYS
 def dumps(event_dict: Any, **kwargs: Any) -> bytes:
     """One log line as UTF-8 JSON.
 
-    orjson renders a line in a tenth of the time of `json` (the request path
-    of the ingress writes one per request); what it refuses, such as an
+    orjson renders a line over ten times faster than `json` (the ingress
+    writes one per request, the consumer one per event); what it refuses, such as an
     integer beyond 64 bits, is rendered by `json` instead of failing the line.
     """
     try:
         return orjson.dumps(event_dict, option=ORJSON_OPTIONS, **kwargs)
     except orjson.JSONEncodeError:
-        return json.dumps(event_dict, **kwargs).encode()
+        return json_dumps(event_dict, **kwargs).encode()
 
 
 def configure_logging(

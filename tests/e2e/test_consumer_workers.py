@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import uuid
 from collections import Counter
@@ -54,7 +55,7 @@ def test_twenty_jobs_of_one_event_drained_by_three_workers_apply_once(
     assert factory.count("payment_order_transitions", order_id=order_id) == 1
     assert factory.count("payment_outbox", order_id=order_id) == 1
     busy = Counter(
-        line.split('"worker": "')[1][:8]
+        json.loads(line)["worker"]
         for p in tmp_path.glob("*.log")
         for line in p.read_text().splitlines()
         if '"consumer_started"' in line
