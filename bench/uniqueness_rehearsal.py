@@ -453,7 +453,13 @@ def main() -> None:
     with psycopg.connect(f"{PG}/postgres", autocommit=True) as conn:
         conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(DB)))
     settings = Settings.from_env(
-        {"DATABASE_URL": f"{PG}/{DB}", "REDIS_URL": REDIS, "PAYHOOK_QUEUE": "payhook-rehearsal"}
+        {
+            "DATABASE_URL": f"{PG}/{DB}",
+            "REDIS_URL": REDIS,
+            "PAYHOOK_QUEUE": "payhook-rehearsal",
+            # The figures are read from the finished jobs once the run is over.
+            "PAYHOOK_RESULT_TTL": "2h",
+        }
     )
     apply_migrations(settings)
     redis = Redis.from_url(REDIS)

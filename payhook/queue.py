@@ -6,6 +6,8 @@ import path, so the ingress never imports the consumer.
 
 from __future__ import annotations
 
+import math
+
 from redis import Redis
 from rq import Queue, Retry
 from rq.job import Job
@@ -16,8 +18,6 @@ from payhook.settings import Settings
 
 #: Import path of the only function a consumer runs.
 APPLY_EVENT = "consumer.jobs.apply_event"
-#: Seconds a finished job's result stays in Redis.
-RESULT_TTL = 3600
 #: Seconds a failed job stays in the dead-letter queue (FailedJobRegistry).
 FAILURE_TTL = 30 * 86400
 
@@ -47,7 +47,7 @@ def enqueue_event(queue: Queue, envelope: Envelope, settings: Settings) -> Job:
         envelope.to_json(),
         job_id=envelope.delivery_id,
         job_timeout=settings.job_timeout,
-        result_ttl=RESULT_TTL,
+        result_ttl=math.ceil(settings.result_ttl),
         failure_ttl=FAILURE_TTL,
         retry=retry_policy(settings),
         description=f"apply_event delivery={envelope.delivery_id}",

@@ -68,6 +68,10 @@ class Settings:
     #: immediate requeue needs no RQ scheduler, so an abandoned job comes back
     #: even while the scheduler lock of a killed worker has not yet expired.
     job_retry_intervals: tuple[int, ...] = (0, 2, 5, 15, 30, 60, 120, 300, 600)
+    #: Seconds RQ keeps a finished job (its envelope, raw body included) and
+    #: its result in Redis: memory that grows with the event rate. The receipt
+    #: in PostgreSQL is the lasting record; failed jobs are kept apart.
+    result_ttl: float = 600.0
     #: In-job retries of a transaction after a serialization failure or deadlock.
     serialization_retries: int = 5
     #: Largest request body the ingress reads, in bytes.
@@ -120,6 +124,7 @@ class Settings:
         durations = {
             "endpoint_refresh": "PAYHOOK_ENDPOINT_REFRESH",
             "enqueue_timeout": "PAYHOOK_ENQUEUE_TIMEOUT",
+            "result_ttl": "PAYHOOK_RESULT_TTL",
             "outbox_sla": "PAYHOOK_OUTBOX_SLA",
             "receipt_retention": "PAYHOOK_RECEIPT_RETENTION",
             "outbox_retention": "PAYHOOK_OUTBOX_RETENTION",
@@ -129,6 +134,8 @@ class Settings:
         for attr, name in durations.items():
             if name in environ:
                 values[attr] = parse_duration(name, environ[name])
+        if values.get("result_ttl", 1) < 1:
+            raise SettingsError("PAYHOOK_RESULT_TTL: expected at least 1s")
         if "receipt_retention" in values:
             _check_receipt_retention(values["receipt_retention"])
         if "PAYHOOK_JOB_RETRY_INTERVALS" in environ:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 import uuid
@@ -101,6 +102,25 @@ def test_worker_killed_after_commit_is_retried_without_a_second_effect(
     assert fetch(redis_conn, job_id).return_value()["outcome"] == "duplicate"
     assert factory.count("payment_order_transitions", order_id=order_id) == 1
     assert factory.count("payment_outbox", order_id=order_id) == 1
+
+
+def test_a_finished_job_and_its_result_leave_redis_after_the_result_ttl(
+    settings: Settings, redis_conn: Redis, factory: Factory, tmp_path: Path
+) -> None:
+    """Finished jobs hold raw bodies; they stay PAYHOOK_RESULT_TTL, not RQ's default."""
+    short = dataclasses.replace(settings, result_ttl=40.0)
+    shop = factory.shop()
+    factory.order(shop)
+    job = enqueue_event(
+        events_queue(redis_conn, short), factory.standard_envelope(shop, StandardEvent()), short
+    )
+    worker = start(["consumer", "--burst"], process_env(settings), tmp_path / "w.log")
+    assert worker.wait(timeout=60) == 0
+    assert fetch(redis_conn, job.id).return_value()["outcome"] == "applied"
+    keys = [job.key, *redis_conn.keys(f"rq:results:{job.id}")]
+    assert len(keys) == 2
+    for key in keys:
+        assert 0 < redis_conn.ttl(key) <= 40, key
 
 
 def test_job_naming_a_foreign_function_is_refused(

@@ -70,6 +70,14 @@ def test_template_renders_the_commands_enqueue_event_sends() -> None:
     assert b"rq:queue:unit-events" in flat
     assert str(list(SETTINGS.job_retry_intervals)).encode() in flat
     assert template.queue_key == b"rq:queue:unit-events"
+    # Finished jobs leave Redis after PAYHOOK_RESULT_TTL, failed ones after 30 days.
+    fields = {
+        field: value
+        for command in recorded
+        if command[0] == b"HSET"
+        for field, value in zip(command[2::2], command[3::2], strict=True)
+    }
+    assert fields[b"result_ttl"] == b"600" and fields[b"failure_ttl"] == b"2592000"
 
 
 def test_packed_job_is_what_redis_py_would_send() -> None:

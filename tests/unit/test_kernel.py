@@ -16,6 +16,8 @@ def test_settings_defaults_and_overrides() -> None:
     s = Settings.from_env({"PAYHOOK_QUEUE": "q", "PAYHOOK_RECEIPT_RETENTION": "400d"})
     assert s.queue == "q" and s.redis_url.startswith("redis://")
     assert s.receipt_retention == 400 * 86400
+    assert s.result_ttl == 600
+    assert Settings.from_env({"PAYHOOK_RESULT_TTL": "2m"}).result_ttl == 120
 
 
 @pytest.mark.parametrize(
@@ -27,6 +29,7 @@ def test_settings_defaults_and_overrides() -> None:
         ({"PAYHOOK_JOB_TIMEOUT": "0"}, "PAYHOOK_JOB_TIMEOUT"),
         ({"PAYHOOK_OUTBOX_SLA": "soon"}, "PAYHOOK_OUTBOX_SLA"),
         ({"PAYHOOK_LOG_LEVEL": "LOUD"}, "PAYHOOK_LOG_LEVEL"),
+        ({"PAYHOOK_RESULT_TTL": "500ms"}, "PAYHOOK_RESULT_TTL"),
     ],
 )
 def test_bad_setting_names_the_variable(env: dict[str, str], name: str) -> None:
