@@ -17,7 +17,7 @@ from consumer.endpoints import EndpointCache
 from consumer.transaction import Applied, Endpoint, TooManyRetries, apply_with_retries
 from payhook import counters
 from payhook.db import Pool, Row, execute
-from payhook.envelope import Envelope, MalformedJob
+from payhook.envelope import Envelope, MalformedJob, NewerEnvelope
 from payhook.errors import MalformedEvent, SignatureError, SignatureMismatch
 from payhook.gateways import Event, Gateway, get_gateway
 from payhook.horizon import receipt_horizon
@@ -44,6 +44,11 @@ def handle(runtime: Runtime, data: object) -> Applied:
     """Apply one job's envelope; every path ends in an outcome or an exception for RQ."""
     try:
         envelope = Envelope.from_json(data)
+    except NewerEnvelope as exc:
+        # Raised to RQ: retried, then kept in the dead-letter queue until the
+        # consumers are upgraded and it is requeued.
+        log.error("envelope_too_new", version=exc.version)
+        raise
     except MalformedJob:
         _anomaly(runtime, "malformed_job")
         log.error("job_malformed")

@@ -24,6 +24,16 @@ class MalformedJob(PayhookError):
     """The job's envelope is not one payhook wrote."""
 
 
+class NewerEnvelope(PayhookError):
+    """The envelope is of a later version than this release reads: written by a
+    newer ingress. The job must fail (and be retried, then wait in the
+    dead-letter queue) rather than be recorded as malformed: it was acknowledged."""
+
+    def __init__(self, version: int) -> None:
+        super().__init__(f"envelope version {version}; this release reads {ENVELOPE_VERSION}")
+        self.version = version
+
+
 @dataclass(frozen=True)
 class Envelope:
     endpoint_id: str
@@ -44,8 +54,14 @@ class Envelope:
 
     @classmethod
     def from_json(cls, data: object) -> Envelope:
-        """Read an envelope back; `MalformedJob` for anything else."""
-        if not isinstance(data, dict) or data.get("v") != ENVELOPE_VERSION:
+        """Read an envelope back; `NewerEnvelope` for a later version,
+        `MalformedJob` for anything else."""
+        if not isinstance(data, dict):
+            raise MalformedJob()
+        version = data.get("v")
+        if type(version) is int and version > ENVELOPE_VERSION:
+            raise NewerEnvelope(version)
+        if version != ENVELOPE_VERSION:
             raise MalformedJob()
         try:
             headers = data["headers"]

@@ -16,6 +16,7 @@ from consumer.rules import Decision, Order
 from consumer.transaction import Endpoint, write_transition
 from payhook import counters
 from payhook.db import Row, create_pool, execute
+from payhook.envelope import NewerEnvelope
 from payhook.gateways import get_gateway
 from payhook.settings import Settings
 from tests.factories import Factory, StandardEvent, envelope, stripe_body, stripe_headers
@@ -276,6 +277,20 @@ def test_malformed_job_and_unknown_endpoint_are_anomalies(
     assert handle(runtime, stray.to_json()).outcome == "unknown_endpoint"
     kinds = {r["kind"] for r in factory.conn.execute("SELECT kind FROM payhook.security_anomalies")}
     assert kinds == {"malformed_job", "unknown_endpoint"}
+
+
+def test_an_envelope_from_a_newer_ingress_fails_the_job_instead_of_being_dropped(
+    runtime: Runtime, factory: Factory
+) -> None:
+    """Acknowledged at the ingress, so never recorded as malformed: RQ retries it and
+    keeps it in the dead-letter queue until consumers that read it requeue it."""
+    shop = factory.shop()
+    newer = factory.standard_envelope(shop, StandardEvent()).to_json() | {"v": 2}
+    with pytest.raises(NewerEnvelope):
+        handle(runtime, newer)
+    assert factory.count("security_anomalies") == 0
+    assert factory.count("payment_event_receipts") == 0
+    assert handle(runtime, {"v": True}).outcome == "malformed_job"
 
 
 def test_authentic_but_unreadable_body_is_kept_as_an_exception(
