@@ -32,6 +32,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -103,6 +104,8 @@ class Meters:
 
 @dataclass(frozen=True)
 class Phase:
+    """One drain of the queue by the workers."""
+
     rate: float
     #: CPU µs per job: "workers", "redis", "postgres" (None where not measured).
     cpu_us: dict[str, float | None]
@@ -137,11 +140,11 @@ def run_workers(
         ids.append(job.id)
     env = process_env(settings)
     with tempfile.TemporaryDirectory(prefix="payhook-bench-cpu-") as folder:
-        cpu_files = [os.path.join(folder, str(i)) for i in range(workers)]
+        cpu_files = [Path(folder) / str(i) for i in range(workers)]
         servers_before = _servers_cpu(meters)
         procs = [
             subprocess.Popen(
-                [sys.executable, "-m", "bench.consumer_worker", mode, kind, cpu_file],
+                [sys.executable, "-m", "bench.consumer_worker", mode, kind, str(cpu_file)],
                 env=env,
                 stdout=subprocess.DEVNULL,
             )
@@ -152,7 +155,7 @@ def run_workers(
                 raise SystemExit(f"a {mode}/{kind} worker failed")
         _wait_for_backends_to_exit(settings)
         servers_after = _servers_cpu(meters)
-        worker_cpu = sum(float(open(path).read()) for path in cpu_files)
+        worker_cpu = sum(float(path.read_text()) for path in cpu_files)
     jobs = Job.fetch_many(ids, connection=redis, serializer=JSONSerializer)
     unfinished = [j for j in jobs if j is None or j.ended_at is None]
     if unfinished:
