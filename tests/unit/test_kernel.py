@@ -6,7 +6,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from payhook.envelope import Envelope, MalformedJob
+from payhook.envelope import Envelope, MalformedJob, NewerEnvelope
 from payhook.errors import QueryFileError, SettingsError
 from payhook.queries import all_queries, parse_queries
 from payhook.settings import Secret, Settings, parse_duration
@@ -83,7 +83,9 @@ def test_envelope_round_trip_keeps_exact_bytes() -> None:
     [
         None,
         [],
-        {"v": 2},
+        {"v": 0},
+        {"v": "1"},
+        {"v": True},
         {"v": 1, "endpoint_id": "x"},
         {
             "v": 1,
@@ -98,3 +100,9 @@ def test_envelope_round_trip_keeps_exact_bytes() -> None:
 def test_envelope_rejects_what_payhook_did_not_write(data: object) -> None:
     with pytest.raises(MalformedJob):
         Envelope.from_json(data)
+
+
+def test_envelope_of_a_later_version_is_not_malformed_but_newer() -> None:
+    with pytest.raises(NewerEnvelope) as raised:
+        Envelope.from_json({"v": 2, "body": "{}"})
+    assert raised.value.version == 2
