@@ -118,15 +118,23 @@ def test_receipts_past_the_horizon_move_to_a_compact_archive_in_batches(
 def test_dry_run_counts_what_would_go_and_changes_nothing(
     runtime: Runtime, factory: Factory, settings: Settings
 ) -> None:
+    """The dry run counts with its own statement: it must skip what the run skips."""
     shop = factory.shop()
     factory.order(shop)
     event = StandardEvent()
     deliver(runtime, factory, shop, event)
-    age_receipts(factory.conn, 500, event.event_id)
+    # Old too, but its exception is open: it stays live, and is not counted.
+    mismatch = StandardEvent(amount=1, type="payment.failed")
+    deliver(runtime, factory, shop, mismatch)
+    assert factory.count("payment_exceptions") == 1
+    age_receipts(factory.conn, 500, event.event_id, mismatch.event_id)
     result = run_retention(factory.conn, settings, dry_run=True)
     assert (result.dry_run, result.receipts_archived) == (True, 1)
-    assert live_ids(factory.conn) == {event.event_id}
+    assert live_ids(factory.conn) == {event.event_id, mismatch.event_id}
     assert archived_ids(factory.conn) == set()
+    done = run_retention(factory.conn, settings)
+    assert done.receipts_archived == result.receipts_archived
+    assert archived_ids(factory.conn) == {event.event_id}
 
 
 def test_archived_event_redelivered_is_a_duplicate_with_no_effect(
