@@ -74,31 +74,34 @@ def connect(
 def pipelined_transaction(conn: psycopg.Connection[Row]) -> Iterator[psycopg.Pipeline]:
     """A transaction whose statements travel in pipeline mode.
 
-    BEGIN goes out with the first statements and COMMIT with the last ones, so
-    a transaction that reads once costs two round trips. (`conn.transaction()`
-    inside a pipeline adds a sync of its own.) On any error the transaction is
-    rolled back and the error re-raised; a broken connection is left to the
-    pool, which discards it. `conn` must be in autocommit mode.
+    BEGIN goes out with the first statements and COMMIT with the Sync that
+    ends the pipeline, so a transaction that reads once costs two round trips.
+    (`conn.transaction()` inside a pipeline adds a sync of its own, and so
+    would a `pipeline.sync()` before leaving it.) On any error, raised in the
+    block or by a statement whose result arrives with the final Sync, the
+    transaction is rolled back and the error re-raised; a broken connection
+    is left to the pool, which discards it. `conn` must be in autocommit mode.
     """
-    with conn.pipeline() as pipeline:
-        conn.execute(query("begin"))
-        try:
-            yield pipeline
+    try:
+        with conn.pipeline() as pipeline:
+            conn.execute(query("begin"))
+            try:
+                yield pipeline
+            except BaseException as exc:
+                if not isinstance(exc, psycopg.Error):
+                    # Interrupted from outside (a job timeout, Ctrl-C) while a
+                    # statement may still run, e.g. waiting on a lock: cancel
+                    # it, or leaving the pipeline would wait for it.
+                    with suppress(psycopg.Error):
+                        conn.cancel_safe(timeout=5)
+                raise
             conn.execute(query("commit"))
-            pipeline.sync()
-        except BaseException as exc:
-            if not isinstance(exc, psycopg.Error):
-                # Interrupted from outside (a job timeout, Ctrl-C) while a
-                # statement may still run, e.g. waiting on a lock: cancel it,
-                # or the sync below would wait for it.
-                with suppress(psycopg.Error):
-                    conn.cancel_safe(timeout=5)
-            with suppress(psycopg.Error):
-                pipeline.sync()  # leave the aborted pipeline state
-            with suppress(psycopg.Error):
-                conn.execute(query("rollback"))
-                pipeline.sync()
-            raise
+    except BaseException:
+        # Out of pipeline mode now. A statement failed, or the block did: the
+        # transaction is open or aborted, never committed; end it.
+        with suppress(psycopg.Error):
+            conn.execute(query("rollback"))
+        raise
 
 
 def fetch_one(
