@@ -7,6 +7,7 @@ from contextlib import contextmanager, suppress
 from typing import Any
 
 import psycopg
+from psycopg import pq
 from psycopg.rows import dict_row
 from psycopg_pool import ConnectionPool
 
@@ -97,10 +98,20 @@ def pipelined_transaction(conn: psycopg.Connection[Row]) -> Iterator[psycopg.Pip
                 raise
             conn.execute(query("commit"))
     except BaseException:
-        # Out of pipeline mode now. A statement failed, or the block did: the
-        # transaction is open or aborted, never committed; end it.
-        with suppress(psycopg.Error):
-            conn.execute(query("rollback"))
+        if conn.pgconn.transaction_status == pq.TransactionStatus.ACTIVE:
+            # Interrupted while the final Sync waited, e.g. on a lock: the
+            # statement still runs, holding its locks, and the connection is
+            # stuck mid-pipeline. Cancel the statement and close the
+            # connection; the server rolls the transaction back.
+            with suppress(psycopg.Error):
+                conn.cancel_safe(timeout=5)
+            conn.close()
+        else:
+            # A statement failed, or the block did: end the transaction, open
+            # or aborted. (A COMMIT whose reply was lost may have committed;
+            # a retried job then finds its receipt.)
+            with suppress(psycopg.Error):
+                conn.execute(query("rollback"))
         raise
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import tempfile
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -10,7 +12,8 @@ import psycopg
 import pytest
 from psycopg import pq
 
-from payhook.db import Row, pipelined_transaction
+from payhook.db import Row, connect, pipelined_transaction
+from payhook.settings import Settings
 
 SCRATCH = "CREATE TEMPORARY TABLE scratch (n int NOT NULL)"
 
@@ -85,3 +88,47 @@ def test_a_failed_read_rolls_back_and_leaves_the_connection_usable(
     with pipelined_transaction(conn):
         conn.execute("INSERT INTO scratch VALUES (2)")
     assert count(conn) == 1
+
+
+def test_interrupted_while_the_final_sync_waits_on_a_lock_cancels_and_commits_nothing(
+    conn: psycopg.Connection[Row], settings: Settings
+) -> None:
+    """A job timeout that fires while COMMIT's batch waits on another
+    transaction's row lock must end the wait then, not when the lock is
+    released, and leave nothing committed."""
+    from rq.timeouts import JobTimeoutException, UnixSignalDeathPenalty
+
+    conn.execute("CREATE TABLE locked (n int PRIMARY KEY, seen int)")
+    conn.execute("CREATE TABLE written (n int)")
+    conn.execute("INSERT INTO locked VALUES (1, 0)")
+    released_by_watchdog, done = threading.Event(), threading.Event()
+    with connect(settings, "holder", autocommit=False) as holder:
+        holder.execute("SELECT 1 FROM locked WHERE n = 1 FOR UPDATE")
+
+        def watchdog() -> None:
+            time.sleep(20)
+            if not done.is_set():
+                released_by_watchdog.set()
+                holder.rollback()
+
+        threading.Thread(target=watchdog, daemon=True).start()
+        try:
+            with (
+                pytest.raises((JobTimeoutException, psycopg.Error)),
+                UnixSignalDeathPenalty(1, JobTimeoutException),
+                pipelined_transaction(conn),
+            ):
+                conn.execute("INSERT INTO written VALUES (1)")
+                # Nothing fetches this result: it waits inside the final Sync.
+                conn.execute("UPDATE locked SET seen = seen + 1 WHERE n = 1")
+        finally:
+            done.set()
+        assert not released_by_watchdog.is_set(), "the transaction waited for the lock holder"
+        holder.rollback()
+    assert conn.closed, "a connection left mid-pipeline is closed, not reused"
+    with connect(settings, "check") as check:
+        assert check.execute("SELECT count(*) AS n FROM written").fetchone() == {"n": 0}
+        # The lock is free at once: the cancelled statement holds nothing.
+        check.execute("SET lock_timeout = '5s'")
+        assert check.execute("UPDATE locked SET seen = seen WHERE n = 1").rowcount == 1
+        assert check.execute("SELECT seen FROM locked").fetchone() == {"seen": 0}
