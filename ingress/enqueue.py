@@ -7,6 +7,10 @@ one each, and a job is written whole or not at all.
 
 A request waits for its own reply at most `settings.enqueue_timeout` seconds.
 A job whose request gave up before it was sent is dropped, never sent late.
+
+The writer has a connection of its own: the probes (`/readyz`, `/metrics`)
+draw from a separate pool, so however many are in flight, they never take
+the connection webhooks are queued through.
 """
 
 from __future__ import annotations
@@ -14,13 +18,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from typing import Any
 
 import redis.asyncio as aioredis
-from redis.asyncio.connection import AbstractConnection, ConnectionPool
+from redis.asyncio.connection import (
+    AbstractConnection,
+    BlockingConnectionPool,
+    ConnectionPool,
+)
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import RedisError
 
 from ingress.jobs import JobTemplate, PackedJob, pack_jobs
 from payhook.envelope import Envelope
@@ -30,8 +39,8 @@ from payhook.settings import Settings
 #: Most jobs in one `EVAL`; Redis runs a script without interruption, so
 #: this bounds how long one batch holds it.
 MAX_BATCH = 256
-#: Connections per process: one for the writer, the others for probes.
-REDIS_CONNECTIONS = 4
+#: Connections for the probes, per process; the writer has one of its own.
+PROBE_CONNECTIONS = 2
 
 
 class EnqueueFailed(PayhookError):
@@ -65,13 +74,14 @@ class JobWriter:
             timer.cancel()
 
     async def close(self) -> None:
+        """Stop the writer; requests still waiting get a connection error (503)."""
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        for _, future in self._waiting:
-            future.cancel()
+        _settle_all(self._waiting, RedisConnectionError("the writer stopped"))
         self._waiting = []
+        await self._pool.disconnect()
 
     async def _run(self) -> None:
         try:
@@ -97,19 +107,21 @@ class JobWriter:
                 raise
             return
         try:
+            # Connecting may have taken a while: requests that gave up
+            # meanwhile are not sent either.
+            batch = [(p, f) for p, f in batch if not f.done()]
+            if not batch:
+                return
             await connection.send_packed_command(
                 pack_jobs([job for job, _ in batch]), check_health=False
             )
-            try:
-                await connection.read_response()
-            except ResponseError as exc:
-                # The script failed (out of memory: refused whole); the
-                # connection is still in step.
-                _settle_all(batch, exc)
-            else:
-                _settle_all(batch, None)
+            await connection.read_response()
+            _settle_all(batch, None)
         except BaseException as exc:
-            # Replies may be left unread: the connection is out of step, drop it.
+            # Replies may be left unread: the connection is out of step. Or the
+            # script failed: out of memory, or READONLY from a primary demoted
+            # in a failover, which keeps its clients; the next batch connects
+            # anew, to whatever the address names now. Either way, drop it.
             await _disconnect(connection)
             _settle_all(batch, _as_error(exc))
             if not isinstance(exc, Exception):
@@ -156,15 +168,23 @@ class Enqueuer:
     def __init__(self, settings: Settings) -> None:
         self.timeout = settings.enqueue_timeout
         self.template = JobTemplate.from_rq(settings)
-        self.redis = aioredis.Redis.from_url(
-            settings.redis_url,
-            socket_timeout=settings.enqueue_timeout,
-            socket_connect_timeout=settings.enqueue_timeout,
+        options: dict[str, Any] = {
+            "socket_timeout": settings.enqueue_timeout,
+            "socket_connect_timeout": settings.enqueue_timeout,
             # Never resend on our own: a resent job could be written twice.
-            retry=Retry(NoBackoff(), 0),
-            max_connections=REDIS_CONNECTIONS,
+            "retry": Retry(NoBackoff(), 0),
+        }
+        self.writer = JobWriter(
+            ConnectionPool.from_url(settings.redis_url, max_connections=1, **options)
         )
-        self.writer = JobWriter(self.redis.connection_pool)
+        # Probes beyond the pool's size wait for a connection, then time out.
+        self._probes = BlockingConnectionPool.from_url(
+            settings.redis_url,
+            max_connections=PROBE_CONNECTIONS,
+            timeout=settings.enqueue_timeout,
+            **options,
+        )
+        self.redis = aioredis.Redis(connection_pool=self._probes)
 
     async def enqueue(self, envelope: Envelope) -> float:
         """Write the job; the seconds it took. `EnqueueFailed` unless Redis accepted it."""
@@ -194,3 +214,4 @@ class Enqueuer:
     async def close(self) -> None:
         await self.writer.close()
         await self.redis.aclose()
+        await self._probes.disconnect()

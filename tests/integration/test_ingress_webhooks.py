@@ -424,3 +424,30 @@ async def test_probes_and_metrics(harness: Harness, factory: Factory) -> None:
         'payhook_ingress_endpoint_refreshes_total{result="ok"} 2.0',
     ):
         assert sample in metrics
+
+
+async def test_probes_however_many_never_take_the_writers_connection(
+    database: str, redis_conn: Redis, factory: Factory
+) -> None:
+    """`/readyz` and `/metrics` are unauthenticated: a flood of them must not
+    turn webhooks into 503s. Every probe connection is held here, as by
+    probes stuck on a slow Redis: webhooks are still queued, probes time out."""
+    shop = factory.shop()
+    settings = test_settings(database, PAYHOOK_ENQUEUE_TIMEOUT="1s")
+    async with running(settings) as harness:
+        probes = harness.ingress.enqueuer.redis.connection_pool
+        held = [await probes.get_connection() for _ in range(probes.max_connections)]
+        try:
+            for _ in range(3):
+                event = StandardEvent()
+                response = await harness.post(
+                    shop.endpoint_id, event.body(), event.headers(shop.secret)
+                )
+                assert response.status_code == 202
+            ready = await harness.client.get("/readyz")
+            assert ready.status_code == 503 and ready.json()["redis"] is False
+        finally:
+            for connection in held:
+                await probes.release(connection)
+        assert (await harness.client.get("/readyz")).status_code == 200
+        assert len(harness.jobs()) == 3

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
+from redis.exceptions import OutOfMemoryError, ReadOnlyError, ResponseError
 
 from ingress.enqueue import JobWriter
 from ingress.jobs import PackedJob, pack_commands, pack_jobs
@@ -33,15 +33,21 @@ class FakeConnection:
 
 
 class FakePool:
-    def __init__(self, connection: FakeConnection) -> None:
+    def __init__(self, connection: FakeConnection, connect_delay: float = 0) -> None:
         self.connection = connection
+        self.connect_delay = connect_delay
         self.released = 0
+        self.disconnected = False
 
     async def get_connection(self) -> FakeConnection:
+        await asyncio.sleep(self.connect_delay)
         return self.connection
 
     async def release(self, connection: FakeConnection) -> None:
         self.released += 1
+
+    async def disconnect(self) -> None:
+        self.disconnected = True
 
 
 def job(name: bytes) -> PackedJob:
@@ -79,8 +85,19 @@ def test_a_job_whose_request_gave_up_is_never_sent() -> None:
     assert connection.sent == [pack_jobs([job(b"kept")])]
 
 
-def test_an_error_reply_fails_every_job_of_the_batch() -> None:
-    jobs_writer, connection, _ = writer(ResponseError("OOM command not allowed"))
+@pytest.mark.parametrize(
+    "error",
+    [
+        OutOfMemoryError("command not allowed when used memory > 'maxmemory'"),
+        ReadOnlyError("You can't write against a read only replica."),
+    ],
+)
+def test_an_error_reply_fails_every_job_of_the_batch_and_drops_the_connection(
+    error: ResponseError,
+) -> None:
+    """After a failover the demoted primary keeps its clients and answers
+    READONLY: the writer must connect anew, not reuse that connection."""
+    jobs_writer, connection, pool = writer(error)
 
     async def scenario() -> list[BaseException | None]:
         results = await asyncio.gather(
@@ -89,8 +106,39 @@ def test_an_error_reply_fails_every_job_of_the_batch() -> None:
         return list(results)
 
     results = asyncio.run(scenario())
-    assert all(isinstance(result, ResponseError) for result in results)
-    assert not connection.disconnected  # the reply was read: still in step
+    assert all(isinstance(result, type(error)) for result in results)
+    assert connection.disconnected and pool.released == 1
+
+
+def test_a_job_whose_request_gave_up_while_connecting_is_never_sent() -> None:
+    connection = FakeConnection(1)
+    jobs_writer = JobWriter(FakePool(connection, connect_delay=0.2))  # type: ignore[arg-type]
+
+    async def scenario() -> None:
+        with pytest.raises(TimeoutError):
+            await jobs_writer.write(job(b"late"), 0.05)
+        await asyncio.sleep(0.3)  # the writer has connected by now
+
+    asyncio.run(scenario())
+    assert connection.sent == []
+
+
+def test_closing_answers_waiting_requests_with_a_connection_error() -> None:
+    connection = FakeConnection(1)
+    pool = FakePool(connection, connect_delay=10)
+    jobs_writer = JobWriter(pool)  # type: ignore[arg-type]
+
+    async def scenario() -> list[BaseException | None]:
+        in_batch = asyncio.create_task(jobs_writer.write(job(b"a"), 30))
+        await asyncio.sleep(0.05)  # the writer took it and is connecting
+        queued = asyncio.create_task(jobs_writer.write(job(b"b"), 30))
+        await asyncio.sleep(0.05)  # waiting for the next batch
+        await jobs_writer.close()
+        return list(await asyncio.gather(in_batch, queued, return_exceptions=True))
+
+    results = asyncio.run(scenario())
+    assert [type(result) for result in results] == [RedisConnectionError] * 2
+    assert connection.sent == [] and pool.disconnected
 
 
 def test_a_lost_connection_fails_the_batch_and_is_dropped() -> None:
