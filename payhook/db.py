@@ -97,15 +97,22 @@ def pipelined_transaction(conn: psycopg.Connection[Row]) -> Iterator[psycopg.Pip
                         conn.cancel_safe(timeout=5)
                 raise
             conn.execute(query("commit"))
-    except BaseException:
+    except BaseException as exc:
         if conn.pgconn.transaction_status == pq.TransactionStatus.ACTIVE:
             # Interrupted while the final Sync waited, e.g. on a lock: the
             # statement still runs, holding its locks, and the connection is
             # stuck mid-pipeline. Cancel the statement and close the
-            # connection; the server rolls the transaction back.
+            # connection; the server rolls the transaction back (unless
+            # COMMIT ran before the cancel arrived: a retry is a duplicate).
             with suppress(psycopg.Error):
                 conn.cancel_safe(timeout=5)
             conn.close()
+            # psycopg reports the interrupted exit as an error of its own
+            # ("cannot exit pipeline mode while busy"): raise the interruption.
+            interruption = exc.__context__
+            if isinstance(exc, psycopg.Error) and interruption is not None:
+                if not isinstance(interruption, psycopg.Error):
+                    raise interruption from None
         else:
             # A statement failed, or the block did: end the transaction, open
             # or aborted. (A COMMIT whose reply was lost may have committed;
