@@ -30,6 +30,13 @@ def build_client(config: OutboxConfig) -> httpx.Client:
     )
 
 
+def pool_size(settings: Settings, config: OutboxConfig) -> int:
+    """A connection for every delivery thread and one for the claiming loop: a
+    delivered row whose result waited for a connection and timed out would
+    stay claimed, and be sent again when its lease ended."""
+    return max(settings.db_pool_size, config.concurrency + 1)
+
+
 def run(settings: Settings, once: bool = False) -> int:
     """Deliver outbox rows until SIGTERM (or, with `once`, until nothing is due)."""
     configure_logging(settings.log_level)
@@ -37,7 +44,7 @@ def run(settings: Settings, once: bool = False) -> int:
     # our own line per delivery says what happened without it.
     logging.getLogger("httpx").setLevel(logging.WARNING)
     config = OutboxConfig.from_settings(settings)
-    pool = create_pool(settings, "outbox-worker")
+    pool = create_pool(settings, "outbox-worker", size=pool_size(settings, config))
     client = build_client(config)
 
     def listen() -> psycopg.Connection[Row]:

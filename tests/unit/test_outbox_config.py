@@ -52,3 +52,22 @@ def test_overrides_accept_durations_with_units() -> None:
 def test_bad_setting_names_the_variable(env: dict[str, str], name: str) -> None:
     with pytest.raises(SettingsError, match=name):
         config(**env)
+
+
+@pytest.mark.parametrize(
+    ("env", "size"),
+    [
+        ({}, 11),
+        ({"PAYHOOK_OUTBOX_CONCURRENCY": "2"}, 4),
+        ({"PAYHOOK_OUTBOX_CONCURRENCY": "30", "PAYHOOK_DB_POOL_SIZE": "8"}, 31),
+        ({"PAYHOOK_OUTBOX_CONCURRENCY": "3", "PAYHOOK_DB_POOL_SIZE": "12"}, 12),
+    ],
+)
+def test_pool_has_a_connection_for_every_delivery_and_the_claims(
+    env: dict[str, str], size: int
+) -> None:
+    """A delivered row whose result cannot get a connection stays claimed and is sent again."""
+    from outbox_worker.main import pool_size
+
+    settings = Settings.from_env(env)
+    assert pool_size(settings, OutboxConfig.from_settings(settings)) == size
