@@ -7,6 +7,7 @@ import json
 import os
 import signal
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import psycopg
@@ -27,6 +28,8 @@ log = structlog.get_logger(__name__)
 
 #: Fault point: SIGKILL this process right after the transaction commits.
 FAULT_KILL_AFTER_COMMIT = "consumer_kill_after_commit"
+#: How far the ingress's clock may be from the database's, for secret retirement.
+CLOCK_SKEW = timedelta(seconds=30)
 
 
 @dataclass
@@ -65,14 +68,14 @@ def handle(runtime: Runtime, data: object) -> Applied:
         structlog.contextvars.bind_contextvars(tenant_id=endpoint.tenant_id)
         gateway = get_gateway(endpoint.gateway)
         try:
-            _verify(gateway, envelope, endpoint)
+            _verify(runtime, gateway, envelope, endpoint)
         except SignatureError:
             if not fresh:  # perhaps signed with a secret rotated in since we cached
                 endpoint, _ = runtime.endpoints.get(conn, envelope.endpoint_id, fresh=True)
             try:
                 if endpoint is None:
                     raise SignatureMismatch() from None
-                _verify(gateway, envelope, endpoint)
+                _verify(runtime, gateway, envelope, endpoint)
             except SignatureError as exc:
                 _anomaly(
                     runtime, "signature_invalid", conn=conn, envelope=envelope, endpoint=endpoint
@@ -110,9 +113,12 @@ def _count_retries(runtime: Runtime, retries: int) -> None:
         counters.record(runtime.redis, counters.SERIALIZATION_RETRIES, retries)
 
 
-def _verify(gateway: Gateway, envelope: Envelope, endpoint: Endpoint) -> None:
-    # Freshness was the ingress's check; a retried job may be hours old.
-    secrets = endpoint.secrets_at(envelope.received_at)
+def _verify(runtime: Runtime, gateway: Gateway, envelope: Envelope, endpoint: Endpoint) -> None:
+    # Freshness was the ingress's check; a retried job may be hours old. A
+    # secret retired just before the job was received may still have been in
+    # the ingress's cache, which refreshes every PAYHOOK_ENDPOINT_REFRESH.
+    grace = timedelta(seconds=runtime.settings.endpoint_refresh) + CLOCK_SKEW
+    secrets = endpoint.secrets_at(envelope.received_at, grace)
     gateway.verify(envelope.headers, envelope.body, secrets, now=None, tolerance=None)
 
 

@@ -27,7 +27,7 @@ import random
 import time
 import uuid
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 import psycopg
@@ -57,10 +57,13 @@ class Endpoint:
     #: Retired secrets and when each was retired.
     retired: tuple[tuple[str, datetime], ...] = ()
 
-    def secrets_at(self, received_at: datetime) -> tuple[str, ...]:
-        """The secrets that verified at the ingress when a job was received:
-        the active ones, and those retired since."""
-        return self.secrets + tuple(s for s, retired_at in self.retired if retired_at > received_at)
+    def secrets_at(self, received_at: datetime, grace: timedelta = timedelta(0)) -> tuple[str, ...]:
+        """The secrets that may have verified at the ingress when a job was
+        received: the active ones, and those retired since or less than
+        `grace` before (the ingress's endpoint cache lags the database, and
+        `received_at` is the ingress's clock, `retired_at` the database's)."""
+        since = received_at - grace
+        return self.secrets + tuple(s for s, retired_at in self.retired if retired_at > since)
 
 
 @dataclass(frozen=True)
