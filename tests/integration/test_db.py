@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import tempfile
-import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -14,6 +12,7 @@ from psycopg import pq
 
 from payhook.db import Row, connect, pipelined_transaction
 from payhook.settings import Settings
+from tests.locks import released_after
 
 SCRATCH = "CREATE TEMPORARY TABLE scratch (n int NOT NULL)"
 
@@ -101,18 +100,9 @@ def test_interrupted_while_the_final_sync_waits_on_a_lock_cancels_and_commits_no
     conn.execute("CREATE TABLE locked (n int PRIMARY KEY, seen int)")
     conn.execute("CREATE TABLE written (n int)")
     conn.execute("INSERT INTO locked VALUES (1, 0)")
-    released_by_watchdog, done = threading.Event(), threading.Event()
     with connect(settings, "holder", autocommit=False) as holder:
         holder.execute("SELECT 1 FROM locked WHERE n = 1 FOR UPDATE")
-
-        def watchdog() -> None:
-            time.sleep(20)
-            if not done.is_set():
-                released_by_watchdog.set()
-                holder.rollback()
-
-        threading.Thread(target=watchdog, daemon=True).start()
-        try:
+        with released_after(holder) as released_by_watchdog:
             with (
                 pytest.raises(JobTimeoutException),
                 UnixSignalDeathPenalty(1, JobTimeoutException),
@@ -121,8 +111,6 @@ def test_interrupted_while_the_final_sync_waits_on_a_lock_cancels_and_commits_no
                 conn.execute("INSERT INTO written VALUES (1)")
                 # Nothing fetches this result: it waits inside the final Sync.
                 conn.execute("UPDATE locked SET seen = seen + 1 WHERE n = 1")
-        finally:
-            done.set()
         assert not released_by_watchdog.is_set(), "the transaction waited for the lock holder"
         holder.rollback()
     assert conn.closed, "a connection left mid-pipeline is closed, not reused"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-import time
 from collections import Counter
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -22,6 +21,7 @@ from payhook.envelope import NewerEnvelope
 from payhook.gateways import get_gateway
 from payhook.settings import Settings
 from tests.factories import Factory, StandardEvent, envelope, stripe_body, stripe_headers
+from tests.locks import released_after
 
 
 @pytest.fixture
@@ -393,22 +393,11 @@ def test_job_timeout_while_waiting_on_a_lock_cancels_the_statement(
     shop = factory.shop()
     order_id = factory.order(shop)
     job = factory.standard_envelope(shop, StandardEvent()).to_json()
-    released_by_watchdog, done = threading.Event(), threading.Event()
     with psycopg.connect(str(settings.database_url)) as holder:
         holder.execute("SELECT 1 FROM payhook.payment_orders WHERE id = %s FOR UPDATE", (order_id,))
-
-        def watchdog() -> None:
-            time.sleep(20)
-            if not done.is_set():
-                released_by_watchdog.set()
-                holder.rollback()
-
-        threading.Thread(target=watchdog, daemon=True).start()
-        try:
+        with released_after(holder) as released_by_watchdog:
             with pytest.raises(JobTimeoutException), UnixSignalDeathPenalty(1, JobTimeoutException):
                 handle(runtime, job)
-        finally:
-            done.set()
         assert not released_by_watchdog.is_set(), "the job waited for the lock holder"
         holder.rollback()
     assert factory.count("payment_event_receipts") == 0, "the interrupted transaction rolled back"
