@@ -31,6 +31,7 @@ from outbox_worker import claims
 from outbox_worker.backoff import retry_delay
 from outbox_worker.claims import Claim, StaleClaim
 from outbox_worker.config import OutboxConfig
+from outbox_worker.deadline import within
 from outbox_worker.handlers import Outcome, deliver
 from payhook.db import Pool, Row
 
@@ -150,7 +151,9 @@ class Worker:
             outcome = Outcome("dead", "none", error="worker lost during the last attempt")
         else:
             try:
-                outcome = self.deliver(self.client, claim)
+                # The exchange ends inside the budget the lease was checked for.
+                with within(began + self._budget()):
+                    outcome = self.deliver(self.client, claim)
             except Exception as exc:
                 # A handler bug must not strand the row until its lease ends.
                 dlog.exception("outbox_handler_failed")
@@ -159,7 +162,8 @@ class Worker:
         self._record(claim, outcome, dlog.bind(duration_ms=duration_ms))
 
     def _budget(self) -> float:
-        """Seconds of lease a delivery needs: connect plus response, each up to the timeout."""
+        """Seconds of lease a delivery may take: twice the timeout, enforced as a
+        deadline on the whole exchange (`outbox_worker.deadline`)."""
         return 2 * self.config.timeout
 
     def _record(self, claim: Claim, outcome: Outcome, dlog: FilteringBoundLogger) -> None:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import logging
 import signal
+import urllib.request
 from types import FrameType
 
 import httpx
 import psycopg
 import structlog
 
+from outbox_worker import deadline
 from outbox_worker.config import OutboxConfig
 from outbox_worker.loop import Worker
 from payhook.db import Row, connect, create_pool
@@ -20,12 +22,22 @@ log = structlog.get_logger(__name__)
 
 
 def build_client(config: OutboxConfig) -> httpx.Client:
-    """One HTTP client per process, with a connection per concurrent delivery."""
+    """One HTTP client per process, with a connection per concurrent delivery.
+
+    Each delivery's exchange must end by its deadline (`outbox_worker.deadline`),
+    except through a proxy the environment names (`HTTPS_PROXY` and the like):
+    httpx's own transports carry those, and bound each step only.
+    """
+    limits = httpx.Limits(
+        max_connections=config.concurrency, max_keepalive_connections=config.concurrency
+    )
+    timeout = httpx.Timeout(config.timeout)
+    if urllib.request.getproxies():
+        log.warning("outbox_proxy_from_environment", deadline="per step only")
+        return httpx.Client(timeout=timeout, limits=limits, follow_redirects=False)
     return httpx.Client(
-        timeout=httpx.Timeout(config.timeout),
-        limits=httpx.Limits(
-            max_connections=config.concurrency, max_keepalive_connections=config.concurrency
-        ),
+        timeout=timeout,
+        transport=deadline.build_transport(limits),
         follow_redirects=False,
     )
 

@@ -15,6 +15,7 @@ import standardwebhooks
 from structlog.testing import capture_logs
 
 from consumer.handler import Runtime, handle
+from outbox_worker import deadline
 from outbox_worker.claims import Claim
 from outbox_worker.config import OutboxConfig
 from outbox_worker.handlers import Outcome
@@ -344,3 +345,24 @@ def test_deliveries_reuse_one_connection(
     requests = receiver.requests()
     assert [r["status"] for r in requests] == [503, 200, 200, 200, 200]
     assert len({r["client_port"] for r in requests}) == 1
+
+
+def test_a_delivery_runs_under_a_deadline_inside_its_lease(
+    conn: psycopg.Connection[Row], factory: Factory, make_worker: MakeWorker
+) -> None:
+    """The exchange must end within the budget the lease was checked for
+    (`outbox_worker.deadline` enforces it on every socket operation)."""
+    shop = factory.shop(fulfilment_url="http://127.0.0.1:9/unused")
+    add_rows(conn, shop, factory.order(shop))
+    seen: list[tuple[float, float | None]] = []
+
+    def record(client: httpx.Client, claim: Claim) -> Outcome:
+        seen.append((time.monotonic(), deadline.current()))
+        return Outcome("delivered", "test")
+
+    config = OutboxConfig(lease=30, timeout=2)
+    before = time.monotonic()
+    make_worker(config, deliver=record).run_once()
+    [(started, until)] = seen
+    assert until is not None, "delivered without a deadline"
+    assert started < until <= started + 2 * config.timeout <= before + config.lease

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import socket
+import threading
+import time
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime
@@ -12,8 +16,16 @@ import pytest
 import standardwebhooks
 from structlog.testing import capture_logs
 
+from outbox_worker import deadline
 from outbox_worker.claims import Claim, short_error
-from outbox_worker.handlers import classify, deliver, delivery_body, delivery_headers
+from outbox_worker.config import OutboxConfig
+from outbox_worker.handlers import (
+    classify,
+    deliver,
+    delivery_body,
+    delivery_headers,
+    post_delivery,
+)
 from payhook.gateways import standard
 from payhook.settings import Secret
 
@@ -193,3 +205,91 @@ def test_a_response_body_cut_short_does_not_undo_a_2xx() -> None:
         return httpx.Response(200, stream=Cut())
 
     assert deliver(client(answer), make_claim()).kind == "delivered"
+
+
+class TricklingReceiver:
+    """A receiver that answers one byte every `pause` seconds; counts what it got out."""
+
+    ANSWER = b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nx-padding: " + b"." * 60 + b"\r\n\r\n"
+
+    def __init__(self, pause: float = 0.05) -> None:
+        self.pause = pause
+        self.sent = 0
+        self.done = threading.Event()
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.server.getsockname()[1]}/fulfil"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        connection, _ = self.server.accept()
+        with connection:
+            _read_request(connection)
+            try:
+                for byte in self.ANSWER:
+                    connection.sendall(bytes([byte]))
+                    self.sent += 1
+                    time.sleep(self.pause)
+            except OSError:
+                pass  # the client hung up
+            self.done.set()
+
+    def close(self) -> None:
+        self.server.close()
+
+
+def _read_request(connection: socket.socket) -> None:
+    """The whole request, so that closing afterwards does not reset the connection."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += connection.recv(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next(
+        int(line.split(b":", 1)[1])
+        for line in head.split(b"\r\n")
+        if line.lower().startswith(b"content-length:")
+    )
+    while len(body) < length:
+        body += connection.recv(65536)
+
+
+def test_a_receiver_trickling_its_answer_is_cut_off_at_the_deadline() -> None:
+    """Each read arrives well within the timeout, so only a deadline on the whole
+    exchange stops it: without one this delivery would take four seconds and
+    succeed, long past the lease it was started in."""
+    receiver = TricklingReceiver()
+    limits = httpx.Limits(max_connections=1)
+    with httpx.Client(timeout=0.5, transport=deadline.build_transport(limits)) as client:
+        started = time.monotonic()
+        with deadline.within(started + 0.6):
+            outcome = post_delivery(client, make_claim(receiver.url))
+    assert outcome.kind == "retry" and outcome.error == "timeout: ReadTimeout", outcome
+    receiver.done.wait(5)
+    receiver.close()
+    assert receiver.sent < len(TricklingReceiver.ANSWER), "the whole answer was read"
+
+
+def test_without_a_deadline_the_transport_keeps_httpx_timeouts() -> None:
+    receiver = TricklingReceiver(pause=0)
+    with httpx.Client(timeout=2, transport=deadline.build_transport(httpx.Limits())) as client:
+        assert deadline.current() is None
+        outcome = post_delivery(client, make_claim(receiver.url))
+    receiver.close()
+    assert outcome.kind == "delivered"
+
+
+def test_the_worker_client_has_the_deadline_unless_a_proxy_is_configured(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from outbox_worker.main import build_client
+
+    config = OutboxConfig(timeout=0.5)
+    monkeypatch.setattr(urllib.request, "getproxies", dict)
+    receiver = TricklingReceiver()
+    with build_client(config) as client, deadline.within(time.monotonic() + 0.6):
+        assert post_delivery(client, make_claim(receiver.url)).kind == "retry"
+    receiver.close()
+
+    monkeypatch.setattr(urllib.request, "getproxies", lambda: {"https": "http://proxy:3128"})
+    with capture_logs() as logs, build_client(config):
+        pass
+    assert [entry["event"] for entry in logs] == ["outbox_proxy_from_environment"]
