@@ -3,7 +3,9 @@
 One writer task per process sends every job waiting at that moment as one
 `EVAL` that runs their commands (RQ's own, see `ingress.jobs`) atomically
 (group commit): a burst of requests costs one round trip and one reply, not
-one each, and a job is written whole or not at all.
+one each, and no worker sees a job half-written. (A command failing inside the
+script, on a key of the wrong type, fails the batch; Redis keeps what the
+script wrote before it.)
 
 A request waits for its own reply at most `settings.enqueue_timeout` seconds.
 A job whose request gave up before it was sent is dropped, never sent late.
