@@ -54,7 +54,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from bench.services import FSYNC_CHOICES, private_redis, process, spare_port
+from bench.services import FSYNC_CHOICES, cpu_seconds, private_redis, process, spare_port
 from ingress.enqueue import Enqueuer
 from payhook import admin
 from payhook.db import connect
@@ -159,12 +159,6 @@ def wrk_script(path: str, requests: list[tuple[bytes, dict[str, str]]], folder: 
 
 def _lua(text: str) -> str:
     return json.dumps(text)  # a JSON string is a valid Lua string literal for ASCII text
-
-
-def cpu_seconds(pid: int) -> float:
-    """User and system CPU seconds `pid` has used so far (Linux)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 @dataclass

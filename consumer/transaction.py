@@ -57,7 +57,7 @@ class Endpoint:
     #: Retired secrets and when each was retired.
     retired: tuple[tuple[str, datetime], ...] = ()
 
-    def secrets_at(self, received_at: datetime, grace: timedelta = timedelta(0)) -> tuple[str, ...]:
+    def secrets_at(self, received_at: datetime, grace: timedelta) -> tuple[str, ...]:
         """The secrets that may have verified at the ingress when a job was
         received: the active ones, and those retired since or less than
         `grace` before (the ingress's endpoint cache lags the database, and
