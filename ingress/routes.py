@@ -19,6 +19,7 @@ from starlette.routing import Route
 
 from ingress.body import BodyTooLarge, read_body
 from ingress.enqueue import EnqueueFailed
+from ingress.ids import delivery_id
 from payhook.envelope import Envelope
 from payhook.errors import MalformedHeaders, SignatureError
 from payhook.gateways import get_gateway, standard, stripe
@@ -109,7 +110,7 @@ async def _receive(ingress: Ingress, request: Request, line: dict[str, Any]) -> 
         body=body,
         headers=headers,
         received_at=datetime.now(UTC),
-        delivery_id=str(uuid.uuid4()),
+        delivery_id=delivery_id(),
     )
     line["delivery_id"] = envelope.delivery_id
     try:
