@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 from collections.abc import Iterator
@@ -10,6 +11,7 @@ from datetime import UTC, datetime
 import pytest
 import structlog
 
+from payhook import logs
 from payhook.logs import configure_logging
 
 
@@ -65,3 +67,67 @@ def test_a_value_orjson_refuses_is_still_logged() -> None:
     [line] = _lines(stream.getvalue())
     assert line["value"] == 2**70
     assert str(line["other"]).startswith("<object object")
+
+
+class CountingBytes(io.BytesIO):
+    """A binary stream that counts its writes, as a raw file (PYTHONUNBUFFERED) would."""
+
+    writes = 0
+    #: The text stream over it, kept alive: collecting it would close this one.
+    text: io.TextIOWrapper
+
+    def write(self, data: bytes) -> int:  # type: ignore[override]
+        self.writes += 1
+        return super().write(data)
+
+
+def _binary_logging() -> CountingBytes:
+    raw = CountingBytes()
+    raw.text = BinaryBacked(raw, encoding="utf-8")
+    configure_logging("INFO", stream=raw.text)
+    return raw
+
+
+def test_outside_an_event_loop_each_line_is_written_at_once() -> None:
+    raw = _binary_logging()
+    log = structlog.get_logger("t")
+    log.info("first")
+    assert [line["event"] for line in _lines(raw.getvalue().decode())] == ["first"]
+    log.info("second")
+    assert [line["event"] for line in _lines(raw.getvalue().decode())] == ["first", "second"]
+    assert raw.writes == 2
+
+
+def test_inside_an_event_loop_a_turns_lines_are_written_together_at_the_next_turn() -> None:
+    raw = _binary_logging()
+    log = structlog.get_logger("t")
+    seen_during_turn: list[bytes] = []
+
+    async def requests() -> None:
+        for number in range(5):
+            log.info("webhook_received", number=number)
+        seen_during_turn.append(raw.getvalue())
+        await asyncio.sleep(0)  # the loop turns: the callback writes
+        log.info("next_turn")
+        await asyncio.sleep(0)
+
+    asyncio.run(requests())
+    assert seen_during_turn == [b""]
+    lines = _lines(raw.getvalue().decode())
+    assert [line.get("number") for line in lines] == [0, 1, 2, 3, 4, None]
+    assert lines[-1]["event"] == "next_turn"
+    assert raw.writes == 2
+
+
+def test_lines_of_a_loop_closed_before_its_next_turn_are_written_at_exit() -> None:
+    raw = _binary_logging()
+    loop = asyncio.new_event_loop()
+
+    async def request() -> None:
+        structlog.get_logger("t").info("last_words")
+
+    loop.run_until_complete(request())
+    loop.close()
+    logs._write_left_over()  # what atexit runs
+    logs._write_left_over()
+    assert [line["event"] for line in _lines(raw.getvalue().decode())] == ["last_words"]
