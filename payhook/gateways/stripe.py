@@ -66,8 +66,7 @@ class StripeGateway:
         check_tolerance(timestamp, now, tolerance)
         content = f"{timestamp}.".encode() + body
         expected = [
-            hmac.new(secret.encode(), content, hashlib.sha256).hexdigest().encode()
-            for secret in secrets
+            hmac.digest(secret.encode(), content, "sha256").hex().encode() for secret in secrets
         ]
         if not any_signature_matches(expected, signatures):
             raise SignatureMismatch()
