@@ -1,7 +1,14 @@
 """The job payload the ingress enqueues and the consumer applies.
 
-The raw body travels base64-encoded, so the consumer re-verifies the exact
-bytes the gateway signed. Only the gateway's signature headers travel.
+The consumer re-verifies the exact bytes the gateway signed, so the raw body
+travels unchanged: as JSON text (`body`) when it is UTF-8, which every JSON
+webhook is, else base64-encoded (`body_b64`). Text serializes and compresses
+faster than base64 and ends up about a quarter smaller in Redis; decoding
+UTF-8 strictly and encoding it again gives back the same bytes. Only the
+gateway's signature headers travel.
+
+Version 1 carried every body as base64; it is still read, for jobs queued
+before an upgrade.
 """
 
 from __future__ import annotations
@@ -16,8 +23,8 @@ from typing import Any
 
 from payhook.errors import PayhookError
 
-#: Version of the envelope format.
-ENVELOPE_VERSION = 1
+#: Version of the envelope format written; versions 1 to this one are read.
+ENVELOPE_VERSION = 2
 
 
 class MalformedJob(PayhookError):
@@ -43,14 +50,18 @@ class Envelope:
     delivery_id: str
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        data = {
             "v": ENVELOPE_VERSION,
             "endpoint_id": self.endpoint_id,
-            "body_b64": base64.b64encode(self.body).decode(),
             "headers": dict(self.headers),
             "received_at": self.received_at.isoformat(),
             "delivery_id": self.delivery_id,
         }
+        try:
+            data["body"] = self.body.decode("utf-8")
+        except UnicodeDecodeError:
+            data["body_b64"] = base64.b64encode(self.body).decode()
+        return data
 
     @classmethod
     def from_json(cls, data: object) -> Envelope:
@@ -61,7 +72,7 @@ class Envelope:
         version = data.get("v")
         if type(version) is int and version > ENVELOPE_VERSION:
             raise NewerEnvelope(version)
-        if version != ENVELOPE_VERSION:
+        if type(version) is not int or version < 1:
             raise MalformedJob()
         try:
             headers = data["headers"]
@@ -74,10 +85,21 @@ class Envelope:
                 raise MalformedJob()
             return cls(
                 endpoint_id=str(uuid.UUID(data["endpoint_id"])),
-                body=base64.b64decode(data["body_b64"], validate=True),
+                body=_body(data, version),
                 headers={k.lower(): v for k, v in headers.items()},
                 received_at=received_at,
                 delivery_id=str(uuid.UUID(data["delivery_id"])),
             )
         except (KeyError, TypeError, ValueError, binascii.Error):
             raise MalformedJob() from None
+
+
+def _body(data: dict[str, Any], version: int) -> bytes:
+    """The raw body: version 1 has `body_b64`; version 2 one of `body`, `body_b64`."""
+    text = data.get("body") if version >= 2 else None
+    if text is not None:
+        if not isinstance(text, str) or "body_b64" in data:
+            raise MalformedJob()
+        # Strict: a lone surrogate cannot come from a UTF-8 body.
+        return text.encode("utf-8")
+    return base64.b64decode(data["body_b64"], validate=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import threading
 from collections import Counter
@@ -17,7 +18,7 @@ from consumer.rules import Decision, Order
 from consumer.transaction import Endpoint, write_transition
 from payhook import counters
 from payhook.db import Row, create_pool, execute
-from payhook.envelope import NewerEnvelope
+from payhook.envelope import ENVELOPE_VERSION, NewerEnvelope
 from payhook.gateways import get_gateway
 from payhook.settings import Settings
 from tests.factories import Factory, StandardEvent, envelope, stripe_body, stripe_headers
@@ -292,12 +293,24 @@ def test_an_envelope_from_a_newer_ingress_fails_the_job_instead_of_being_dropped
     """Acknowledged at the ingress, so never recorded as malformed: RQ retries it and
     keeps it in the dead-letter queue until consumers that read it requeue it."""
     shop = factory.shop()
-    newer = factory.standard_envelope(shop, StandardEvent()).to_json() | {"v": 2}
+    newer = factory.standard_envelope(shop, StandardEvent()).to_json() | {"v": ENVELOPE_VERSION + 1}
     with pytest.raises(NewerEnvelope):
         handle(runtime, newer)
     assert factory.count("security_anomalies") == 0
     assert factory.count("payment_event_receipts") == 0
     assert handle(runtime, {"v": True}).outcome == "malformed_job"
+
+
+def test_a_version_1_envelope_queued_before_an_upgrade_is_applied(
+    runtime: Runtime, factory: Factory
+) -> None:
+    shop = factory.shop()
+    factory.order(shop)
+    data = factory.standard_envelope(shop, StandardEvent()).to_json()
+    body = data.pop("body").encode()
+    old = data | {"v": 1, "body_b64": base64.b64encode(body).decode()}
+    assert handle(runtime, old).outcome == "applied"
+    assert factory.count("payment_order_transitions") == 1
 
 
 def test_authentic_but_unreadable_body_is_kept_as_an_exception(

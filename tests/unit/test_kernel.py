@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import base64
+import json
 from datetime import UTC, datetime
 
+import orjson
 import pytest
 
 from payhook.envelope import Envelope, MalformedJob, NewerEnvelope
@@ -78,6 +81,57 @@ def test_envelope_round_trip_keeps_exact_bytes() -> None:
     assert back.body == b"\xff\x00{}" and back.headers == {"webhook-id": "m"}
 
 
+ENDPOINT_ID = "3f2c9e36-0d0e-4b7c-9d3e-8f1f1a1b2c3d"
+DELIVERY_ID = "7d1d8a2e-5a43-4a53-8f43-0f5e2b1c9a10"
+
+
+def _envelope(body: bytes) -> Envelope:
+    return Envelope(ENDPOINT_ID, body, {}, datetime.now(UTC), DELIVERY_ID)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"amount": 1500, "name": "Caf\xc3\xa9 \xe2\x82\xac \xf0\x9f\x92\xb3"}',
+        b"\xef\xbb\xbf{}",  # a byte order mark
+        b'{"a": "\\u00e9 \\" \\n"}\r\n\t\x00',
+        b"",
+    ],
+)
+def test_a_utf8_body_travels_as_text_through_json_and_comes_back_byte_for_byte(
+    body: bytes,
+) -> None:
+    data = _envelope(body).to_json()
+    assert data["v"] == 2 and "body_b64" not in data
+    assert data["body"] == body.decode()
+    # As RQ's JSON serializer writes it and a worker reads it.
+    assert Envelope.from_json(json.loads(json.dumps(data))).body == body
+    assert Envelope.from_json(orjson.loads(orjson.dumps(data))).body == body
+
+
+def test_a_body_that_is_not_utf8_travels_as_base64() -> None:
+    for body in (b"\xff{}", b"\xed\xa0\x80", b"\xc3"):  # invalid, a surrogate, cut short
+        data = _envelope(body).to_json()
+        assert "body" not in data
+        assert Envelope.from_json(json.loads(json.dumps(data))).body == body
+
+
+def test_a_version_1_envelope_queued_before_an_upgrade_is_still_read() -> None:
+    data = {
+        "v": 1,
+        "endpoint_id": ENDPOINT_ID,
+        "body_b64": base64.b64encode(b'{"id": 1}').decode(),
+        "headers": {"Webhook-Id": "m"},
+        "received_at": "2026-01-01T00:00:00+00:00",
+        "delivery_id": DELIVERY_ID,
+    }
+    back = Envelope.from_json(data)
+    assert back.body == b'{"id": 1}' and back.headers == {"webhook-id": "m"}
+    # Version 1 had no text body.
+    with pytest.raises(MalformedJob):
+        Envelope.from_json({k: v for k, v in data.items() if k != "body_b64"} | {"body": "{}"})
+
+
 @pytest.mark.parametrize(
     "data",
     [
@@ -87,6 +141,23 @@ def test_envelope_round_trip_keeps_exact_bytes() -> None:
         {"v": "1"},
         {"v": True},
         {"v": 1, "endpoint_id": "x"},
+        *(
+            {
+                "v": 2,
+                "endpoint_id": ENDPOINT_ID,
+                "headers": {},
+                "received_at": "2026-01-01T00:00:00+00:00",
+                "delivery_id": DELIVERY_ID,
+            }
+            | body
+            for body in (
+                {},  # no body at all
+                {"body": "{}", "body_b64": "e30="},  # both
+                {"body": 7},
+                {"body": "\udc80"},  # a lone surrogate: no UTF-8 body gives one
+                {"body_b64": "!!"},
+            )
+        ),
         {
             "v": 1,
             "endpoint_id": "3f2c9e36-0d0e-4b7c-9d3e-8f1f1a1b2c3d",
@@ -104,5 +175,5 @@ def test_envelope_rejects_what_payhook_did_not_write(data: object) -> None:
 
 def test_envelope_of_a_later_version_is_not_malformed_but_newer() -> None:
     with pytest.raises(NewerEnvelope) as raised:
-        Envelope.from_json({"v": 2, "body": "{}"})
-    assert raised.value.version == 2
+        Envelope.from_json({"v": 3, "body": "{}"})
+    assert raised.value.version == 3
