@@ -57,14 +57,14 @@ def job(name: bytes) -> PackedJob:
 def writer(reply: Any) -> tuple[JobWriter, FakeConnection, FakePool]:
     connection = FakeConnection(reply)
     pool = FakePool(connection)
-    return JobWriter(pool), connection, pool  # type: ignore[arg-type]
+    return JobWriter(pool, 5), connection, pool  # type: ignore[arg-type]
 
 
 def test_jobs_waiting_together_go_in_one_eval() -> None:
     jobs_writer, connection, pool = writer(1)
 
     async def scenario() -> None:
-        await asyncio.gather(*(jobs_writer.write(job(b"%d" % i), 5) for i in range(5)))
+        await asyncio.gather(*(jobs_writer.write(job(b"%d" % i)) for i in range(5)))
 
     asyncio.run(scenario())
     assert connection.sent == [pack_jobs([job(b"%d" % i) for i in range(5)])]
@@ -75,8 +75,8 @@ def test_a_job_whose_request_gave_up_is_never_sent() -> None:
     jobs_writer, connection, _ = writer(1)
 
     async def scenario() -> None:
-        kept = asyncio.create_task(jobs_writer.write(job(b"kept"), 5))
-        gave_up = asyncio.create_task(jobs_writer.write(job(b"gave-up"), 5))
+        kept = asyncio.create_task(jobs_writer.write(job(b"kept")))
+        gave_up = asyncio.create_task(jobs_writer.write(job(b"gave-up")))
         await asyncio.sleep(0)  # both are waiting; the writer has not sent yet
         gave_up.cancel()
         await kept
@@ -101,7 +101,7 @@ def test_an_error_reply_fails_every_job_of_the_batch_and_drops_the_connection(
 
     async def scenario() -> list[BaseException | None]:
         results = await asyncio.gather(
-            jobs_writer.write(job(b"a"), 5), jobs_writer.write(job(b"b"), 5), return_exceptions=True
+            jobs_writer.write(job(b"a")), jobs_writer.write(job(b"b")), return_exceptions=True
         )
         return list(results)
 
@@ -112,11 +112,11 @@ def test_an_error_reply_fails_every_job_of_the_batch_and_drops_the_connection(
 
 def test_a_job_whose_request_gave_up_while_connecting_is_never_sent() -> None:
     connection = FakeConnection(1)
-    jobs_writer = JobWriter(FakePool(connection, connect_delay=0.2))  # type: ignore[arg-type]
+    jobs_writer = JobWriter(FakePool(connection, connect_delay=0.2), 0.05)  # type: ignore[arg-type]
 
     async def scenario() -> None:
         with pytest.raises(TimeoutError):
-            await jobs_writer.write(job(b"late"), 0.05)
+            await jobs_writer.write(job(b"late"))
         await asyncio.sleep(0.3)  # the writer has connected by now
 
     asyncio.run(scenario())
@@ -126,12 +126,12 @@ def test_a_job_whose_request_gave_up_while_connecting_is_never_sent() -> None:
 def test_closing_answers_waiting_requests_with_a_connection_error() -> None:
     connection = FakeConnection(1)
     pool = FakePool(connection, connect_delay=10)
-    jobs_writer = JobWriter(pool)  # type: ignore[arg-type]
+    jobs_writer = JobWriter(pool, 30)  # type: ignore[arg-type]
 
     async def scenario() -> list[BaseException | None]:
-        in_batch = asyncio.create_task(jobs_writer.write(job(b"a"), 30))
+        in_batch = asyncio.create_task(jobs_writer.write(job(b"a")))
         await asyncio.sleep(0.05)  # the writer took it and is connecting
-        queued = asyncio.create_task(jobs_writer.write(job(b"b"), 30))
+        queued = asyncio.create_task(jobs_writer.write(job(b"b")))
         await asyncio.sleep(0.05)  # waiting for the next batch
         await jobs_writer.close()
         return list(await asyncio.gather(in_batch, queued, return_exceptions=True))
@@ -145,7 +145,7 @@ def test_a_lost_connection_fails_the_batch_and_is_dropped() -> None:
     jobs_writer, connection, pool = writer(RedisConnectionError("reset by peer"))
 
     async def scenario() -> None:
-        await jobs_writer.write(job(b"a"), 5)
+        await jobs_writer.write(job(b"a"))
 
     with pytest.raises(RedisConnectionError):
         asyncio.run(scenario())
@@ -166,12 +166,12 @@ class SlowConnection(FakeConnection):
 
 def test_no_reply_in_time_is_a_timeout_and_a_job_expired_unsent_is_never_sent() -> None:
     connection = SlowConnection(0.3)
-    jobs_writer = JobWriter(FakePool(connection))  # type: ignore[arg-type]
+    jobs_writer = JobWriter(FakePool(connection), 0.1)  # type: ignore[arg-type]
 
     async def scenario() -> list[BaseException | None]:
-        first = asyncio.create_task(jobs_writer.write(job(b"in-flight"), 0.1))
+        first = asyncio.create_task(jobs_writer.write(job(b"in-flight")))
         await asyncio.sleep(0.01)  # the first batch is sent, its reply is slow
-        second = asyncio.create_task(jobs_writer.write(job(b"expires-waiting"), 0.05))
+        second = asyncio.create_task(jobs_writer.write(job(b"expires-waiting")))
         results = await asyncio.gather(first, second, return_exceptions=True)
         await asyncio.sleep(0.4)  # the writer finishes the slow batch
         return list(results)
@@ -179,3 +179,39 @@ def test_no_reply_in_time_is_a_timeout_and_a_job_expired_unsent_is_never_sent() 
     results = asyncio.run(scenario())
     assert all(isinstance(result, TimeoutError) for result in results)
     assert connection.sent == [pack_jobs([job(b"in-flight")])]
+
+
+def test_each_request_times_out_at_its_own_deadline_not_before() -> None:
+    connection = SlowConnection(0.5)
+    jobs_writer = JobWriter(FakePool(connection), 0.1)  # type: ignore[arg-type]
+
+    async def request(loop: asyncio.AbstractEventLoop) -> tuple[float, float]:
+        began = loop.time()
+        with pytest.raises(TimeoutError):
+            await jobs_writer.write(job(b"x"))
+        return began, loop.time()
+
+    async def scenario() -> list[tuple[float, float]]:
+        loop = asyncio.get_running_loop()
+        tasks = []
+        for _ in range(3):
+            tasks.append(asyncio.create_task(request(loop)))
+            await asyncio.sleep(0.03)
+        return list(await asyncio.gather(*tasks))
+
+    times = asyncio.run(scenario())
+    for began, timed_out in times:
+        assert timed_out >= began + 0.1
+    # Staggered requests are not expired together with the first one.
+    assert times[2][1] >= times[0][1] + 0.05
+
+
+def test_settled_requests_leave_no_deadline_or_timer_behind() -> None:
+    jobs_writer = JobWriter(FakePool(FakeConnection(1)), 0.05)  # type: ignore[arg-type]
+
+    async def scenario() -> None:
+        await asyncio.gather(*(jobs_writer.write(job(b"%d" % i)) for i in range(10)))
+        await asyncio.sleep(0.1)  # past every deadline: the sweep ran
+
+    asyncio.run(scenario())
+    assert not jobs_writer._deadlines and jobs_writer._sweeper is None
