@@ -206,12 +206,17 @@ def test_each_request_times_out_at_its_own_deadline_not_before() -> None:
     assert times[2][1] >= times[0][1] + 0.05
 
 
-def test_settled_requests_leave_no_deadline_or_timer_behind() -> None:
+def test_settled_requests_are_not_held_and_the_timer_stops() -> None:
+    """Holding settled requests until their deadline would have the garbage
+    collector promote and scan thousands of them."""
     jobs_writer = JobWriter(FakePool(FakeConnection(1)), 0.05)  # type: ignore[arg-type]
+    held: list[int] = []
 
     async def scenario() -> None:
         await asyncio.gather(*(jobs_writer.write(job(b"%d" % i)) for i in range(10)))
+        held.append(len(jobs_writer._waiting) + len(jobs_writer._in_flight))
         await asyncio.sleep(0.1)  # past every deadline: the sweep ran
 
     asyncio.run(scenario())
-    assert not jobs_writer._deadlines and jobs_writer._sweeper is None
+    assert held == [0]
+    assert jobs_writer._sweeper is None
