@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import re
+import sys
 from collections.abc import Iterator
 from datetime import UTC, datetime
 
@@ -131,3 +133,42 @@ def test_lines_of_a_loop_closed_before_its_next_turn_are_written_at_exit() -> No
     logs._write_left_over()  # what atexit runs
     logs._write_left_over()
     assert [line["event"] for line in _lines(raw.getvalue().decode())] == ["last_words"]
+
+
+def _standard_chain_line(method_name: str, event_dict: dict[str, object]) -> bytes:
+    """The line structlog's own processors would write."""
+    for processor in (
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        structlog.processors.format_exc_info,
+        structlog.processors.JSONRenderer(serializer=logs.dumps),
+    ):
+        event_dict = processor(None, method_name, event_dict)
+    assert isinstance(event_dict, bytes)
+    return event_dict
+
+
+@pytest.mark.parametrize("method_name", ["info", "warn", "warning", "error", "exception"])
+def test_the_fused_processor_writes_structlogs_own_line_key_for_key(method_name: str) -> None:
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        exc_info = sys.exc_info()
+    event = {
+        "event": "webhook_received",
+        "status": 202,
+        "tenant": "café",
+        "odd": object.__new__(object),
+        "exc_info": exc_info if method_name == "exception" else None,
+    }
+    if event["exc_info"] is None:
+        del event["exc_info"]
+    ours = json.loads(logs.json_line(None, method_name, dict(event)))
+    theirs = json.loads(_standard_chain_line(method_name, dict(event)))
+    assert list(ours) == list(theirs)  # the same keys, in the same order
+    stamp = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d{6})?Z"
+    assert re.fullmatch(stamp, ours.pop("timestamp"))
+    assert re.fullmatch(stamp, theirs.pop("timestamp"))
+    assert ours == theirs
+    if method_name == "exception":
+        assert "ValueError: boom" in ours["exception"]
