@@ -10,8 +10,8 @@ A second recording, for another envelope, must come out identical to the
 template rendered for that envelope, the call data compared as a worker reads
 it (decompressed and parsed: the ingress serializes it with orjson and
 compresses it with ISA-L, faster than RQ does; RQ's JSON serializer reads any
-JSON, its worker any zlib stream); if RQ ever writes something else per job, the ingress
-refuses to start rather than write jobs the workers cannot run.
+JSON, its worker any zlib stream); if RQ ever writes something else per job,
+the ingress refuses to start rather than write jobs the workers cannot run.
 
 On the wire, jobs are the arguments of an `EVAL` of `REPLAY_SCRIPT`, which
 runs their commands atomically; one `EVAL` carries every job of a batch. A

@@ -21,7 +21,8 @@ def app_from_env() -> Starlette:
     What exists once the app is built (modules, classes, the app) lives as
     long as the process: it is moved out of the garbage collector's reach
     (`gc.freeze`), so that its full collections scan only what requests
-    leave behind. Measured: the collector took 16 µs per request without.
+    leave behind. Measured under load without it: ten full collections in
+    five seconds, each scanning the 60,000 objects that exist from start-up.
     """
     settings = Settings.from_env(os.environ)
     configure_logging(settings.log_level)

@@ -3,9 +3,9 @@
 The consumer re-verifies the exact bytes the gateway signed, so the raw body
 travels unchanged: as JSON text (`body`) when it is UTF-8, which every JSON
 webhook is, else base64-encoded (`body_b64`). Text serializes and compresses
-faster than base64 and ends up about a quarter smaller in Redis; decoding
-UTF-8 strictly and encoding it again gives back the same bytes. Only the
-gateway's signature headers travel.
+faster and smaller than base64 (see `ingress.jobs.call_data`); decoding UTF-8
+strictly and encoding it again gives back the same bytes. Only the gateway's
+signature headers travel.
 
 Version 1 carried every body as base64; it is still read, for jobs queued
 before an upgrade.

@@ -84,25 +84,23 @@ class TurnFlushedBytesLogger(structlog.BytesLogger):
             return
         lines = _turn_lines.get(self._file)
         if lines is None:
-            _turn_lines[self._file] = [message, b""]
+            _turn_lines[self._file] = [message]
             loop.call_soon(self._write_turn)
         else:
-            lines[-1] = message
-            lines.append(b"")
+            lines.append(message)
 
     def _write_turn(self) -> None:
         lines = _turn_lines.pop(self._file, None)
         if lines:
             with self._lock:
-                self._write(b"\n".join(lines))
+                self._write(b"\n".join(lines) + b"\n")
                 self._flush()
 
     log = debug = info = warn = warning = msg
     fatal = failure = err = error = critical = exception = msg
 
 
-#: Per stream, the lines of this event-loop turn, each followed by b"" (the
-#: joint of the final newline), waiting for the turn's write.
+#: Per stream, the lines of this event-loop turn, waiting for the turn's write.
 _turn_lines: dict[BinaryIO, list[bytes]] = {}
 
 
@@ -110,7 +108,7 @@ def _write_left_over() -> None:
     """At exit, the lines of a turn whose loop closed before writing them."""
     for file, lines in list(_turn_lines.items()):
         with contextlib.suppress(Exception):
-            file.write(b"\n".join(lines))
+            file.write(b"\n".join(lines) + b"\n")
             file.flush()
     _turn_lines.clear()
 
