@@ -7,6 +7,7 @@ import atexit
 import contextlib
 import logging
 import os
+import select
 import sys
 from datetime import UTC, datetime
 from json import dumps as json_dumps
@@ -70,6 +71,12 @@ class TurnFlushedBytesLogger(structlog.BytesLogger):
     A line reaches the stream at most one turn late; a process killed in
     between loses that turn's lines (never an event: those are in Redis
     before any answer).
+
+    Several processes may share the stream (`payhook ingress --workers N`
+    share one pipe): a write goes whole into a pipe only up to `PIPE_BUF`
+    bytes, so a turn's lines are written in runs of whole lines no longer
+    than that, each flushed, and a write the stream took only in part is
+    finished before the next begins.
     """
 
     __slots__ = ()
@@ -82,34 +89,65 @@ class TurnFlushedBytesLogger(structlog.BytesLogger):
                 self._write(message + b"\n")
                 self._flush()
             return
-        lines = _turn_lines.get(self._file)
+        # Per stream and loop: loops in other threads keep their own lines.
+        key = (self._file, loop)
+        lines = _turn_lines.get(key)
         if lines is None:
-            _turn_lines[self._file] = [message]
-            loop.call_soon(self._write_turn)
+            _turn_lines[key] = [message]
+            loop.call_soon(self._write_turn, key)
         else:
             lines.append(message)
 
-    def _write_turn(self) -> None:
-        lines = _turn_lines.pop(self._file, None)
+    def _write_turn(self, key: tuple[BinaryIO, asyncio.AbstractEventLoop]) -> None:
+        lines = _turn_lines.pop(key, None)
         if lines:
             with self._lock:
-                self._write(b"\n".join(lines) + b"\n")
-                self._flush()
+                _write_lines(self._file, lines)
 
     log = debug = info = warn = warning = msg
     fatal = failure = err = error = critical = exception = msg
 
 
-#: Per stream, the lines of this event-loop turn, waiting for the turn's write.
-_turn_lines: dict[BinaryIO, list[bytes]] = {}
+#: Bytes a pipe takes in one piece (POSIX guarantees at least 512; Linux 4,096).
+PIPE_BUF = getattr(select, "PIPE_BUF", 512)
+
+#: Per stream and event loop, the lines of this turn, waiting for its write.
+_turn_lines: dict[tuple[BinaryIO, asyncio.AbstractEventLoop], list[bytes]] = {}
+
+
+def _write_lines(file: BinaryIO, lines: list[bytes]) -> None:
+    """Write `lines` in runs of whole lines of at most PIPE_BUF bytes (a longer
+    line alone), flushing each run, so that no other writer's bytes land inside
+    a line."""
+    run: list[bytes] = []
+    size = 0
+    for line in lines:
+        if run and size + len(line) + 1 > PIPE_BUF:
+            _write_all(file, b"\n".join(run) + b"\n")
+            run, size = [], 0
+        run.append(line)
+        size += len(line) + 1
+    if run:
+        _write_all(file, b"\n".join(run) + b"\n")
+
+
+def _write_all(file: BinaryIO, data: bytes) -> None:
+    """Write and flush `data`; a raw file may take a write only in part."""
+    view = memoryview(data)
+    while view:
+        written = file.write(view)
+        if written is None:  # a non-blocking raw file that could take nothing now
+            select.select([], [file], [])
+            continue
+        view = view[written:]
+    file.flush()
 
 
 def _write_left_over() -> None:
-    """At exit, the lines of a turn whose loop closed before writing them."""
-    for file, lines in list(_turn_lines.items()):
+    """At exit, the lines of turns whose loop closed before writing them."""
+    for (file, _), lines in list(_turn_lines.items()):
         with contextlib.suppress(Exception):
-            file.write(b"\n".join(lines) + b"\n")
-            file.flush()
+            _write_lines(file, lines)
     _turn_lines.clear()
 
 

@@ -5,10 +5,15 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import os
 import re
+import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
+from typing import Any
 
 import pytest
 import structlog
@@ -135,7 +140,7 @@ def test_lines_of_a_loop_closed_before_its_next_turn_are_written_at_exit() -> No
     assert [line["event"] for line in _lines(raw.getvalue().decode())] == ["last_words"]
 
 
-def _standard_chain_line(method_name: str, event_dict: dict[str, object]) -> bytes:
+def _standard_chain_line(method_name: str, event_dict: Any) -> bytes:
     """The line structlog's own processors would write."""
     for processor in (
         structlog.processors.add_log_level,
@@ -172,3 +177,125 @@ def test_the_fused_processor_writes_structlogs_own_line_key_for_key(method_name:
     assert ours == theirs
     if method_name == "exception":
         assert "ValueError: boom" in ours["exception"]
+
+
+WRITER = """
+import asyncio, sys
+import structlog
+from payhook.logs import configure_logging
+configure_logging("INFO", json=True)
+log = structlog.get_logger()
+async def main():
+    for turn in range(100):
+        for i in range(50):  # 50 requests answered in one turn: some 15 KB
+            log.info("webhook_received", worker=sys.argv[1], turn=turn, i=i, pad="x" * 200)
+        await asyncio.sleep(0)
+asyncio.run(main())
+"""
+
+
+def test_processes_sharing_a_pipe_never_split_each_others_lines() -> None:
+    """`payhook ingress --workers N`: N processes, one stdout pipe, a slow reader."""
+    read, write = os.pipe()
+    env = os.environ | {"PYTHONUNBUFFERED": "1"}
+    writers = [
+        subprocess.Popen([sys.executable, "-c", WRITER, name], stdout=write, env=env)
+        for name in "ABC"
+    ]
+    os.close(write)
+    lines = []
+    with os.fdopen(read, "rb") as pipe:
+        for number, line in enumerate(pipe):
+            lines.append(line)
+            if number % 500 == 0:
+                time.sleep(0.01)  # the pipe fills up meanwhile
+    for writer in writers:
+        assert writer.wait(timeout=60) == 0
+    assert len(lines) == 3 * 100 * 50
+    assert all(json.loads(line)["event"] == "webhook_received" for line in lines)
+
+
+class Trickle(io.RawIOBase):
+    """A raw file that takes at most 100 bytes per write, as a pipe may."""
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        taken = bytes(data[:100])
+        self.data += taken
+        return len(taken)
+
+
+def test_a_write_the_stream_takes_in_part_is_finished() -> None:
+    stream = Trickle()
+    lines = [b'{"n": %d, "pad": "%s"}' % (n, b"x" * 300) for n in range(40)]
+    logs._write_lines(stream, lines)  # type: ignore[arg-type]
+    assert stream.data.split(b"\n")[:-1] == lines
+
+
+def test_each_write_is_whole_lines_of_at_most_pipe_buf_bytes() -> None:
+    raw = _binary_logging()
+    chunks: list[bytes] = []
+    write = raw.write
+
+    def recording(data: bytes) -> int:
+        chunks.append(bytes(data))
+        return write(data)
+
+    raw.write = recording  # type: ignore[method-assign]
+
+    async def turn() -> None:
+        for number in range(60):
+            structlog.get_logger("t").info("webhook_received", number=number, pad="x" * 200)
+        await asyncio.sleep(0)
+
+    asyncio.run(turn())
+    assert len(chunks) > 1
+    for chunk in chunks:
+        assert chunk.endswith(b"\n") and len(chunk) <= logs.PIPE_BUF
+    assert [line["number"] for line in _lines(b"".join(chunks).decode())] == list(range(60))
+
+
+def test_loops_in_two_threads_lose_no_line() -> None:
+    raw = _binary_logging()
+
+    async def requests(thread: int) -> None:
+        for turn in range(200):
+            for number in range(20):
+                structlog.get_logger("t").info("line", thread=thread, turn=turn, n=number)
+            await asyncio.sleep(0)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=asyncio.run, args=(requests(t),)) for t in (1, 2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert len(_lines(raw.getvalue().decode())) == 2 * 200 * 20
+
+
+def test_a_loop_stopped_before_its_turn_does_not_hold_a_later_loops_lines() -> None:
+    raw = _binary_logging()
+    first = asyncio.new_event_loop()
+    first.call_soon(structlog.get_logger("t").info, "stranded")
+    first.call_soon(first.stop)
+    first.run_forever()  # stopped with the turn's write still scheduled
+
+    async def later() -> None:
+        for number in range(3):
+            structlog.get_logger("t").info("later", n=number)
+        await asyncio.sleep(0)
+
+    asyncio.run(later())
+    assert [line.get("n") for line in _lines(raw.getvalue().decode())] == [0, 1, 2]
+    first.close()
+    logs._write_left_over()
+    assert _lines(raw.getvalue().decode())[-1]["event"] == "stranded"
