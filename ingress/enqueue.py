@@ -68,11 +68,18 @@ class JobWriter:
         self._in_flight: list[Waiting] = []
         self._task: asyncio.Task[None] | None = None
         self._sweeper: asyncio.TimerHandle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def write(self, packed: PackedJob) -> None:
         """Return once Redis has run the job; raise what Redis or the connection
         raised, or `TimeoutError` after the writer's timeout without a reply."""
         loop = asyncio.get_running_loop()
+        if loop is not self._loop:
+            # A writer that outlived its event loop unclosed keeps nothing of
+            # it: a task or timer of a closed loop would never run.
+            self._loop = loop
+            self._task = self._sweeper = None
+            self._waiting, self._in_flight = [], []
         future: asyncio.Future[None] = loop.create_future()
         deadline = loop.time() + self._timeout
         self._waiting.append((packed, future, deadline))
@@ -104,13 +111,14 @@ class JobWriter:
                 _expire(future)
 
     async def close(self) -> None:
-        """Stop the writer; requests still waiting get a connection error (503)."""
+        """Stop the writer; requests waiting or in flight get a connection error (503)."""
+        pending = self._in_flight + self._waiting
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        _settle_all(self._waiting, RedisConnectionError("the writer stopped"))
-        self._waiting = []
+        _settle_all(pending + self._waiting, RedisConnectionError("the writer stopped"))
+        self._waiting, self._in_flight = [], []
         if self._sweeper is not None:
             self._sweeper.cancel()
             self._sweeper = None
@@ -158,9 +166,10 @@ class JobWriter:
             # Replies may be left unread: the connection is out of step. Or the
             # script failed: out of memory, or READONLY from a primary demoted
             # in a failover, which keeps its clients; the next batch connects
-            # anew, to whatever the address names now. Either way, drop it.
-            await _disconnect(connection)
+            # anew, to whatever the address names now. Either way, drop it,
+            # once the batch's requests have their answer.
             _settle_all(batch, _as_error(exc))
+            await _disconnect(connection)
             if not isinstance(exc, Exception):
                 raise
         finally:

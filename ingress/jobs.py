@@ -57,7 +57,7 @@ TIME_FIELDS = frozenset({b"created_at", b"enqueued_at"})
 DATA_FIELD = b"data"
 #: ISA-L level of the call data: the fastest, 3.4 µs for a 1.5 KB body
 #: against 8 µs at level 1 and 12.5 µs for zlib's fastest, measured.
-ZLIB_LEVEL = 0
+ISAL_LEVEL = 0
 
 Command = list[bytes]
 
@@ -160,7 +160,7 @@ def call_data(envelope: Envelope) -> bytes:
         (envelope.to_json(),),
         {},
     )
-    return isal_zlib.compress(orjson.dumps(call), ZLIB_LEVEL)
+    return isal_zlib.compress(orjson.dumps(call), ISAL_LEVEL)
 
 
 @dataclass(frozen=True)

@@ -220,3 +220,48 @@ def test_settled_requests_are_not_held_and_the_timer_stops() -> None:
     asyncio.run(scenario())
     assert held == [0]
     assert jobs_writer._sweeper is None
+
+
+class SlowToDisconnect(FakeConnection):
+    """A connection whose reply fails, and which takes a while to close."""
+
+    async def read_response(self) -> Any:
+        await asyncio.sleep(0.01)
+        raise RedisConnectionError("reset by peer")
+
+    async def disconnect(self) -> None:
+        await asyncio.sleep(0.1)
+        self.disconnected = True
+
+
+def test_closing_while_a_failed_batch_disconnects_still_answers_its_requests() -> None:
+    jobs_writer = JobWriter(FakePool(SlowToDisconnect(1)), 1)  # type: ignore[arg-type]
+
+    async def scenario() -> BaseException | None:
+        request = asyncio.create_task(jobs_writer.write(job(b"a")))
+        await asyncio.sleep(0.05)  # the reply failed; the writer is disconnecting
+        await jobs_writer.close()
+        done, _ = await asyncio.wait([request], timeout=0.5)  # well before its deadline
+        assert done, "the request was left waiting"
+        return request.exception()
+
+    assert isinstance(asyncio.run(scenario()), RedisConnectionError)
+
+
+class NeverReplies(FakeConnection):
+    async def read_response(self) -> Any:
+        await asyncio.sleep(3600)
+
+
+def test_a_writer_that_outlived_its_event_loop_still_times_out_on_the_next() -> None:
+    pool = FakePool(FakeConnection(1))
+    jobs_writer = JobWriter(pool, 0.2)  # type: ignore[arg-type]
+    asyncio.run(jobs_writer.write(job(b"a")))  # the loop ends, the writer unclosed
+    pool.connection = NeverReplies(1)
+
+    async def next_loop() -> None:
+        await asyncio.wait_for(jobs_writer.write(job(b"b")), 2)
+
+    with pytest.raises(TimeoutError) as raised:
+        asyncio.run(next_loop())
+    assert "Redis did not reply in time" in str(raised.value)
