@@ -9,7 +9,6 @@ import os
 import re
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
@@ -258,28 +257,6 @@ def test_each_write_is_whole_lines_of_at_most_pipe_buf_bytes() -> None:
     for chunk in chunks:
         assert chunk.endswith(b"\n") and len(chunk) <= logs.PIPE_BUF
     assert [line["number"] for line in _lines(b"".join(chunks).decode())] == list(range(60))
-
-
-def test_loops_in_two_threads_lose_no_line() -> None:
-    raw = _binary_logging()
-
-    async def requests(thread: int) -> None:
-        for turn in range(200):
-            for number in range(20):
-                structlog.get_logger("t").info("line", thread=thread, turn=turn, n=number)
-            await asyncio.sleep(0)
-
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
-        threads = [threading.Thread(target=asyncio.run, args=(requests(t),)) for t in (1, 2)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-    finally:
-        sys.setswitchinterval(interval)
-    assert len(_lines(raw.getvalue().decode())) == 2 * 200 * 20
 
 
 def test_a_loop_stopped_before_its_turn_does_not_hold_a_later_loops_lines() -> None:
