@@ -7,8 +7,9 @@ one each, and no worker sees a job half-written. (A command failing inside the
 script, on a key of the wrong type, fails the batch; Redis keeps what the
 script wrote before it.)
 
-A request waits for its own reply at most `settings.enqueue_timeout` seconds.
-A job whose request gave up before it was sent is dropped, never sent late.
+A request waits for its own reply at most `settings.enqueue_timeout` seconds
+(and up to `SWEEP_SLACK` more: one timer serves every request). A job whose
+request gave up before it was sent is dropped, never sent late.
 
 The writer has a connection of its own: the probes (`/readyz`, `/metrics`)
 draw from a separate pool, so however many are in flight, they never take

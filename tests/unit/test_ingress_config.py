@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
+import structlog
 
 from ingress.config import DEFAULT_RETRY_AFTER, IngressConfig
+from ingress.main import app_from_env
 from ingress.routes import TOLERANCES
 from payhook.errors import SettingsError
 from payhook.gateways import GATEWAYS
@@ -31,3 +35,18 @@ def test_bad_retry_after_names_the_variable(raw: str) -> None:
 def test_every_gateway_has_a_timestamp_tolerance() -> None:
     assert set(TOLERANCES) == set(GATEWAYS)
     assert all(0 < seconds <= 600 for seconds in TOLERANCES.values())
+
+
+def test_the_app_factory_freezes_start_up_objects_out_of_the_collector(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Full collections under load otherwise scan every module and class again."""
+    monkeypatch.setenv("DATABASE_URL", "postgresql://payhook@127.0.0.1:5432/payhook")
+    monkeypatch.setenv("REDIS_URL", "redis://127.0.0.1:6379/15")
+    gc.unfreeze()
+    try:
+        app_from_env()  # builds without I/O
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+        structlog.reset_defaults()  # the factory configured logging
