@@ -27,7 +27,7 @@ class Ingress:
     def __init__(self, settings: Settings, load_endpoints: Loader | None = None) -> None:
         self.settings = settings
         self.config = IngressConfig.from_settings(settings)
-        self.retry_after = {"retry-after": str(self.config.retry_after)}
+        self.retry_after = ((b"retry-after", str(self.config.retry_after).encode()),)
         self.metrics = Metrics()
         self.cache = EndpointCache()
         self._postgres: PostgresEndpoints | None = None

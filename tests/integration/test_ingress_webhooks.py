@@ -134,6 +134,8 @@ async def test_accepted_event_is_queued_as_the_consumers_envelope_and_applied(
     response = await harness.post(shop.endpoint_id, body, headers)
 
     assert response.status_code == 202
+    assert response.headers["content-type"] == "application/json"
+    assert int(response.headers["content-length"]) == len(response.content)
     delivery_id = response.json()["delivery_id"]
     [job] = harness.jobs()
     assert job.id == delivery_id and job.func_name == APPLY_EVENT
@@ -218,6 +220,17 @@ async def test_unknown_endpoints_are_404_and_never_reach_postgresql(
             assert (await harness.post(junk, b"{}", {})).status_code == 404
     await reader.close()
     assert loads == 1
+
+
+async def test_other_methods_are_405_and_queue_nothing(
+    harness: Harness, factory: Factory
+) -> None:
+    shop = factory.shop()
+    await refresh(harness)
+    for method in ("GET", "PUT", "HEAD"):
+        response = await harness.client.request(method, f"/webhooks/{shop.endpoint_id}")
+        assert response.status_code == 405 and response.headers["allow"] == "POST"
+    assert harness.jobs() == []
 
 
 @pytest.mark.parametrize(

@@ -5,8 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from starlette.requests import Request
-from starlette.types import Message
+from starlette.types import Message, Scope
 
 from ingress.body import BodyTooLarge, read_body
 
@@ -26,26 +25,26 @@ class Sender:
         return {"type": "http.request", "body": b"x" * CHUNK, "more_body": more}
 
 
-def request(receive: Sender, headers: dict[str, str] | None = None) -> Request:
+def scope(headers: dict[str, str] | None = None) -> Scope:
     raw = [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
-    return Request({"type": "http", "method": "POST", "headers": raw}, receive)
+    return {"type": "http", "method": "POST", "headers": raw}
 
 
 def test_endless_stream_is_abandoned_at_the_first_chunk_over_the_limit() -> None:
     receive = Sender(chunks=None)
     with pytest.raises(BodyTooLarge):
-        asyncio.run(read_body(request(receive), limit=4 * CHUNK))
+        asyncio.run(read_body(scope(), receive, limit=4 * CHUNK))
     assert receive.calls == 5
 
 
 def test_declared_length_over_the_limit_reads_nothing() -> None:
     receive = Sender(chunks=None)
     with pytest.raises(BodyTooLarge):
-        asyncio.run(read_body(request(receive, {"content-length": str(10**9)}), limit=CHUNK))
+        asyncio.run(read_body(scope({"content-length": str(10**9)}), receive, limit=CHUNK))
     assert receive.calls == 0
 
 
 def test_body_of_exactly_the_limit_is_read_whole() -> None:
     receive = Sender(chunks=3)
-    body = asyncio.run(read_body(request(receive), limit=3 * CHUNK))
+    body = asyncio.run(read_body(scope(), receive, limit=3 * CHUNK))
     assert body == b"x" * 3 * CHUNK
