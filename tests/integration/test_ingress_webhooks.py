@@ -222,9 +222,7 @@ async def test_unknown_endpoints_are_404_and_never_reach_postgresql(
     assert loads == 1
 
 
-async def test_other_methods_are_405_and_queue_nothing(
-    harness: Harness, factory: Factory
-) -> None:
+async def test_other_methods_are_405_and_queue_nothing(harness: Harness, factory: Factory) -> None:
     shop = factory.shop()
     await refresh(harness)
     for method in ("GET", "PUT", "HEAD"):
