@@ -55,6 +55,12 @@ class RetentionRun:
         return asdict(self)
 
 
+def _horizons(now: datetime, retentions: dict[str, float]) -> dict[str, str]:
+    """The cutoffs of the database's `now`, in UTC."""
+    now = now.astimezone(UTC)
+    return {k: (now - timedelta(seconds=v)).isoformat() for k, v in retentions.items()}
+
+
 def run_retention(
     conn: psycopg.Connection[Row], settings: Settings, *, dry_run: bool = False
 ) -> RetentionRun:
@@ -65,8 +71,6 @@ def run_retention(
         "exceptions": settings.exception_retention,
         "anomalies": settings.anomaly_retention,
     }
-    now = datetime.now(UTC)
-    horizons = {k: (now - timedelta(seconds=v)).isoformat() for k, v in retentions.items()}
     if dry_run:
         counts = fetch_one(conn, "count_expired", retentions)
         assert counts is not None
@@ -77,8 +81,12 @@ def run_retention(
             counts["exceptions"],
             counts["anomalies"],
             0,
-            horizons,
+            _horizons(counts["now"], retentions),
         )
+    # The statements compare with the database's clock; so do the horizons shown.
+    clock = fetch_one(conn, "database_now")
+    assert clock is not None
+    horizons = _horizons(clock["now"], retentions)
     batch = settings.retention_batch
     batches = 0
     archived = 0

@@ -77,8 +77,10 @@ DELETE FROM payhook.security_anomalies AS a
  WHERE a.id = batch.id
 
 -- count_expired --
--- What a retention run would move or delete now (the dry run).
+-- What a retention run would move or delete now (the dry run), and the
+-- database's now that the horizons count from.
 SELECT
+    now() AS now,
     (SELECT count(*)
        FROM payhook.payment_event_receipts AS r
       WHERE r.received_at < now() - make_interval(secs => %(receipts)s)
@@ -98,3 +100,7 @@ SELECT
     (SELECT count(*)
        FROM payhook.security_anomalies
       WHERE detected_at < now() - make_interval(secs => %(anomalies)s)) AS anomalies
+
+-- database_now --
+-- The database's clock, which the retention statements compare with.
+SELECT now() AS now

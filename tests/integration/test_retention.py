@@ -8,7 +8,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import replace
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import psycopg
 import pytest
@@ -135,6 +135,31 @@ def test_dry_run_counts_what_would_go_and_changes_nothing(
     done = run_retention(factory.conn, settings)
     assert done.receipts_archived == result.receipts_archived
     assert archived_ids(factory.conn) == {event.event_id}
+
+
+@pytest.mark.parametrize("dry_run", [True, False])
+def test_horizons_shown_are_the_databases_clock(
+    factory: Factory, settings: Settings, dry_run: bool
+) -> None:
+    """The statements compare with the database's `now()`; the horizons a run
+    reports count from it too, not from the host's clock."""
+    with factory.conn.transaction():
+        # now() stands still for a transaction: the host's clock moves on.
+        row = factory.conn.execute("SELECT now() AS now").fetchone()
+        assert row is not None
+        time.sleep(0.05)
+        result = run_retention(factory.conn, settings, dry_run=dry_run)
+    started = row["now"].astimezone(UTC)
+    retentions = {
+        "receipts": settings.receipt_retention,
+        "outbox": settings.outbox_retention,
+        "exceptions": settings.exception_retention,
+        "anomalies": settings.anomaly_retention,
+    }
+    assert result.horizons == {
+        name: (started - timedelta(seconds=seconds)).isoformat()
+        for name, seconds in retentions.items()
+    }
 
 
 def test_archived_event_redelivered_is_a_duplicate_with_no_effect(
