@@ -113,12 +113,12 @@ class JobWriter:
 
     async def close(self) -> None:
         """Stop the writer; requests waiting or in flight get a connection error (503)."""
-        pending = self._in_flight + self._waiting
         if self._task is not None:
+            # A batch in flight is answered by `_send` as it is cancelled.
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        _settle_all(pending + self._waiting, RedisConnectionError("the writer stopped"))
+        _settle_all(self._waiting, RedisConnectionError("the writer stopped"))
         self._waiting, self._in_flight = [], []
         if self._sweeper is not None:
             self._sweeper.cancel()

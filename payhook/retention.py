@@ -55,6 +55,16 @@ class RetentionRun:
         return asdict(self)
 
 
+def retention_seconds(settings: Settings) -> dict[str, float]:
+    """How long each kind of row is kept, in seconds, by the name a run reports it under."""
+    return {
+        "receipts": settings.receipt_retention,
+        "outbox": settings.outbox_retention,
+        "exceptions": settings.exception_retention,
+        "anomalies": settings.anomaly_retention,
+    }
+
+
 def _horizons(now: datetime, retentions: dict[str, float]) -> dict[str, str]:
     """The cutoffs of the database's `now`, in UTC."""
     now = now.astimezone(UTC)
@@ -65,12 +75,7 @@ def run_retention(
     conn: psycopg.Connection[Row], settings: Settings, *, dry_run: bool = False
 ) -> RetentionRun:
     """Archive old receipts and delete old bookkeeping, batch by batch."""
-    retentions = {
-        "receipts": settings.receipt_retention,
-        "outbox": settings.outbox_retention,
-        "exceptions": settings.exception_retention,
-        "anomalies": settings.anomaly_retention,
-    }
+    retentions = retention_seconds(settings)
     if dry_run:
         counts = fetch_one(conn, "count_expired", retentions)
         assert counts is not None
