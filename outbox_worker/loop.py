@@ -142,7 +142,7 @@ class Worker:
             action=claim.action,
             attempt=claim.attempts,
         )
-        if self.stopping.is_set() or deadline - time.monotonic() < self._budget():
+        if self.stopping.is_set() or deadline - time.monotonic() < self._budget() + self._margin():
             self._release(claim, dlog)
             return
         began = time.monotonic()
@@ -165,6 +165,14 @@ class Worker:
         """Seconds of lease a delivery may take: twice the timeout, enforced as a
         deadline on the whole exchange (`outbox_worker.deadline`)."""
         return 2 * self.config.timeout
+
+    def _margin(self) -> float:
+        """Seconds of lease kept past the delivery's budget to record its result:
+        a result recorded after the lease ended is refused as stale, and the
+        row, delivered, is sent again by the worker that took it over. Half
+        the timeout: the lease is at least three timeouts, so the first rows
+        of a batch always start."""
+        return self.config.timeout / 2
 
     def _record(self, claim: Claim, outcome: Outcome, dlog: FilteringBoundLogger) -> None:
         dlog = dlog.bind(handler=outcome.handler, status=outcome.status)

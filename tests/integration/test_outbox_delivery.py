@@ -298,6 +298,31 @@ def test_row_is_not_started_without_a_full_delivery_left_in_its_lease(
     assert late["state"] == "pending" and late["attempts"] == 0 and late["claim_token"] is None
 
 
+def test_row_is_not_started_without_time_left_to_record_its_result(
+    conn: psycopg.Connection[Row], factory: Factory, make_worker: MakeWorker
+) -> None:
+    """A delivery ending with the lease would have its result refused as stale
+    and the row sent again by the worker that took it over: the second row,
+    with a little more than two timeouts left, is released."""
+    shop = factory.shop(fulfilment_url="http://127.0.0.1:9/unused")
+    ids = add_rows(conn, shop, factory.order(shop), 2)
+    started: list[str] = []
+
+    def delivery(client: httpx.Client, claim: Claim) -> Outcome:
+        started.append(claim.id)
+        time.sleep(0.7)  # leaves about 2.3 s of the 3 s lease: budget 2 s, margin 0.5 s
+        return Outcome("delivered", "test")
+
+    config = OutboxConfig(lease=3, batch=2, concurrency=1, timeout=1)
+    worker = make_worker(config, deliver=delivery)
+    assert worker.run_batch() == 2
+    [first] = started
+    [second] = [i for i in ids if i != first]
+    assert row(conn, first)["state"] == "delivered"
+    late = row(conn, second)
+    assert late["state"] == "pending" and late["attempts"] == 0 and late["claim_token"] is None
+
+
 def test_row_whose_last_attempt_was_lost_with_its_worker_is_dead_not_resent(
     conn: psycopg.Connection[Row], factory: Factory, make_worker: MakeWorker, receiver: Receiver
 ) -> None:
