@@ -10,6 +10,7 @@ exports every signal as `payhook_alert_value` and `payhook_alert_threshold`
 | `PAYHOOK_ALERT_WINDOW` | 24h | how long a payload-digest conflict keeps its alert active |
 | `PAYHOOK_ALERT_RETRY_WINDOW` | 15m | window of the transaction-retry count (1m to 2h) |
 | `PAYHOOK_ALERT_RETRY_THRESHOLD` | 20 | retries in that window above which it alerts |
+| `PAYHOOK_ALERT_BACKLOG` | 5m | an event job waiting in the queue for longer alerts |
 | `PAYHOOK_OUTBOX_SLA` | 5m | an outbox row undelivered for longer alerts |
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import TextIO
 
 import psycopg
@@ -25,7 +27,9 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from redis import Redis
 from redis.exceptions import RedisError
+from rq import Queue
 from rq.registry import FailedJobRegistry
+from rq.utils import utcparse
 
 from payhook import counters
 from payhook.db import Row, connect, fetch_one
@@ -33,8 +37,10 @@ from payhook.errors import PayhookError, SettingsError
 from payhook.queue import events_queue, redis_connection
 from payhook.settings import Settings, parse_duration, positive_int
 
-#: Seconds a payload-digest conflict keeps its alert active.
+#: Seconds a payload-digest conflict or a refused job keeps its alert active.
 DEFAULT_WINDOW = 24 * 3600.0
+#: Seconds an event job may wait in the queue before the backlog alerts.
+DEFAULT_BACKLOG = 300.0
 #: Seconds over which transaction retries are summed.
 DEFAULT_RETRY_WINDOW = 15 * 60.0
 #: Retries in the window above which the retry alert is active.
@@ -43,8 +49,11 @@ DEFAULT_RETRY_THRESHOLD = 20
 #: Every signal, in the order `payhook check` prints them.
 SIGNALS = (
     "digest_conflicts",
+    "rejected_jobs",
     "unmapped_events",
     "late_events",
+    "open_exceptions",
+    "queue_backlog",
     "serialization_retries",
     "outbox_overdue",
     "outbox_dead",
@@ -64,6 +73,7 @@ class AlertConfig:
     retry_window: float = DEFAULT_RETRY_WINDOW
     retry_threshold: int = DEFAULT_RETRY_THRESHOLD
     outbox_sla: float = 300.0
+    backlog: float = DEFAULT_BACKLOG
 
     @classmethod
     def from_settings(cls, settings: Settings) -> AlertConfig:
@@ -85,9 +95,14 @@ class AlertConfig:
         if "PAYHOOK_ALERT_RETRY_THRESHOLD" in extra:
             name = "PAYHOOK_ALERT_RETRY_THRESHOLD"
             threshold = positive_int(name, extra[name])
+        backlog = DEFAULT_BACKLOG
+        if "PAYHOOK_ALERT_BACKLOG" in extra:
+            backlog = parse_duration("PAYHOOK_ALERT_BACKLOG", extra["PAYHOOK_ALERT_BACKLOG"])
         if window <= 0:
             raise SettingsError("PAYHOOK_ALERT_WINDOW: expected a duration above zero")
-        return cls(window, retry_window, threshold, settings.outbox_sla)
+        if backlog <= 0:
+            raise SettingsError("PAYHOOK_ALERT_BACKLOG: expected a duration above zero")
+        return cls(window, retry_window, threshold, settings.outbox_sla, backlog)
 
 
 @dataclass(frozen=True)
@@ -119,10 +134,10 @@ def read_signals(
         raise AlertsUnavailable(f"PostgreSQL: {exc}".strip()) from exc
     assert row is not None
     try:
+        queue = events_queue(redis, settings)
         retries = counters.total(redis, counters.SERIALIZATION_RETRIES, config.retry_window)
-        dead_letters = FailedJobRegistry(queue=events_queue(redis, settings)).get_job_count(
-            cleanup=False
-        )
+        dead_letters = FailedJobRegistry(queue=queue).get_job_count(cleanup=False)
+        backlog = oldest_waiting(queue)
     except RedisError as exc:
         raise AlertsUnavailable(f"Redis: {exc}") from exc
     return [
@@ -131,6 +146,13 @@ def read_signals(
             int(row["digest_conflicts"]),
             0,
             f"payload-digest conflicts in the last {_duration(config.window)}",
+        ),
+        Signal(
+            "rejected_jobs",
+            int(row["rejected_jobs"]),
+            0,
+            "jobs the consumer refused (signature, endpoint or job unusable) "
+            f"in the last {_duration(config.window)}",
         ),
         Signal(
             "unmapped_events",
@@ -143,6 +165,20 @@ def read_signals(
             int(row["late_events"]),
             0,
             "authentic events refused as older than the retention horizon (open exceptions)",
+        ),
+        Signal(
+            "open_exceptions",
+            int(row["open_exceptions"]),
+            0,
+            "authentic events refused by the business rules (mismatches, invalid "
+            "transitions, second payments, unreadable bodies; open exceptions)",
+        ),
+        Signal(
+            "queue_backlog",
+            int(backlog),
+            int(config.backlog),
+            f"seconds the oldest event job has waited in the queue "
+            f"(alerts above {_duration(config.backlog)})",
         ),
         Signal(
             "serialization_retries",
@@ -160,6 +196,22 @@ def read_signals(
         Signal("outbox_dead", int(row["outbox_dead"]), 0, "dead outbox rows"),
         Signal("dead_letter_jobs", dead_letters, 0, "event jobs in the dead-letter queue"),
     ]
+
+
+def oldest_waiting(queue: Queue) -> float:
+    """Seconds the job at the head of `queue` has waited since it was enqueued; 0 if none.
+
+    Workers take jobs from the head, so while consumers keep up this stays
+    near zero; it grows when they are down, stuck or outpaced.
+    """
+    head = queue.get_job_ids(0, 1)
+    if not head:
+        return 0.0
+    raw = queue.connection.hget(queue.job_class.key_for(head[0]), "enqueued_at")
+    if not raw:
+        return 0.0  # taken, or gone, between the two reads
+    enqueued_at = utcparse(raw.decode() if isinstance(raw, bytes) else str(raw))
+    return max(0.0, (datetime.now(UTC) - enqueued_at).total_seconds())
 
 
 class AlertCollector(Collector):

@@ -1,20 +1,30 @@
 -- count_alert_signals --
 -- The alert signals PostgreSQL holds, in one round trip: payload-digest
--- conflicts detected in the last %(window)s seconds, unresolved exceptions of
--- authentic events that named no order, unresolved refusals of events older
--- than the retention horizon, outbox rows still pending
--- %(sla)s seconds after they were written, and dead outbox rows.
+-- conflicts and jobs the consumer refused (forged or unverifiable signature,
+-- unknown endpoint, unreadable job) detected in the last %(window)s seconds,
+-- unresolved exceptions of authentic events that named no order, unresolved
+-- refusals of events older than the retention horizon, every other
+-- unresolved exception, outbox rows still pending %(sla)s seconds after
+-- they were written, and dead outbox rows.
 SELECT
     (SELECT count(*)
        FROM payhook.security_anomalies
       WHERE kind = 'digest_conflict'
         AND detected_at > now() - make_interval(secs => %(window)s)) AS digest_conflicts,
     (SELECT count(*)
+       FROM payhook.security_anomalies
+      WHERE kind <> 'digest_conflict'
+        AND detected_at > now() - make_interval(secs => %(window)s)) AS rejected_jobs,
+    (SELECT count(*)
        FROM payhook.payment_exceptions
       WHERE kind = 'unmapped_order' AND resolved_at IS NULL) AS unmapped_events,
     (SELECT count(*)
        FROM payhook.payment_exceptions
       WHERE kind = 'beyond_horizon' AND resolved_at IS NULL) AS late_events,
+    (SELECT count(*)
+       FROM payhook.payment_exceptions
+      WHERE kind NOT IN ('unmapped_order', 'beyond_horizon')
+        AND resolved_at IS NULL) AS open_exceptions,
     (SELECT count(*)
        FROM payhook.payment_outbox
       WHERE state = 'pending'

@@ -7,12 +7,15 @@ import subprocess
 import sys
 import time
 import uuid
+from dataclasses import replace
+from datetime import UTC, datetime, timedelta
 
 import psycopg
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from redis import Redis
 from rq.registry import FailedJobRegistry
+from rq.utils import utcformat
 
 from consumer.transaction import Applied, Endpoint, apply_event
 from payhook import counters
@@ -93,16 +96,33 @@ def test_each_signal_counts_what_it_names(
         (order_id,),
     )
     conn.execute("UPDATE payhook.payment_outbox SET state = 'dead' WHERE order_id = %s", (second,))
+    factory.order(shop, "order-3", "pi_3")
+    underpaid = StandardEvent(merchant_reference="order-3", gateway_order_id="pi_3", amount=1)
+    assert deliver(conn, shop, underpaid).outcome == "amount_mismatch"
+    conn.execute(
+        "INSERT INTO payhook.security_anomalies (tenant_id, endpoint_id, kind)"
+        " VALUES (%s, %s, 'signature_invalid')",
+        (shop.tenant_id, shop.endpoint_id),
+    )
     counters.record(redis_conn, counters.SERIALIZATION_RETRIES, 20)
     queue = events_queue(redis_conn, settings)
-    job = queue.enqueue("consumer.jobs.apply_event", {"v": 1})
-    FailedJobRegistry(queue=queue).add(job, ttl=600, exc_string="boom")
+    failed = queue.enqueue("consumer.jobs.apply_event", {"v": 1})
+    queue.remove(failed)
+    FailedJobRegistry(queue=queue).add(failed, ttl=600, exc_string="boom")
+    # A job waiting since 10 minutes ago, at the head of the queue; one behind it.
+    waiting = queue.enqueue("consumer.jobs.apply_event", {"v": 1})
+    queue.enqueue("consumer.jobs.apply_event", {"v": 1})
+    ten_minutes_ago = datetime.now(UTC) - timedelta(minutes=10)
+    redis_conn.hset(waiting.key, "enqueued_at", utcformat(ten_minutes_ago))
 
     got = values(conn, redis_conn, settings)
+    assert 600 <= got.pop("queue_backlog") < 660
     assert got == {
         "digest_conflicts": 0,
+        "rejected_jobs": 1,
         "unmapped_events": 1,
         "late_events": 0,
+        "open_exceptions": 1,
         "serialization_retries": 20,
         "outbox_overdue": 1,
         "outbox_dead": 1,
@@ -111,7 +131,20 @@ def test_each_signal_counts_what_it_names(
     signals = read_signals(conn, redis_conn, settings, AlertConfig.from_settings(settings))
     active = {s.name for s in signals if s.active}
     # 20 retries is the threshold, not above it.
-    assert active == {"unmapped_events", "outbox_overdue", "outbox_dead", "dead_letter_jobs"}
+    assert active == {
+        "rejected_jobs",
+        "unmapped_events",
+        "open_exceptions",
+        "queue_backlog",
+        "outbox_overdue",
+        "outbox_dead",
+        "dead_letter_jobs",
+    }
+    # Within PAYHOOK_ALERT_BACKLOG, a waiting job is no alert.
+    patient = replace(settings, extra={**settings.extra, "PAYHOOK_ALERT_BACKLOG": "15m"})
+    relaxed = AlertConfig.from_settings(patient)
+    signals = read_signals(conn, redis_conn, settings, relaxed)
+    assert "queue_backlog" not in {s.name for s in signals if s.active}
     counters.record(redis_conn, counters.SERIALIZATION_RETRIES, 1)
     signals = read_signals(conn, redis_conn, settings, AlertConfig.from_settings(settings))
     assert "serialization_retries" in {s.name for s in signals if s.active}
@@ -119,7 +152,10 @@ def test_each_signal_counts_what_it_names(
     loud = check(settings)
     assert loud.returncode == 1
     assert [line.split()[0] for line in loud.stdout.splitlines()] == [
+        "rejected_jobs",
         "unmapped_events",
+        "open_exceptions",
+        "queue_backlog",
         "serialization_retries",
         "outbox_overdue",
         "outbox_dead",

@@ -74,12 +74,19 @@ def test_alert_settings_are_read_and_checked() -> None:
                 "PAYHOOK_ALERT_RETRY_WINDOW": "30m",
                 "PAYHOOK_ALERT_RETRY_THRESHOLD": "5",
                 "PAYHOOK_OUTBOX_SLA": "2m",
+                "PAYHOOK_ALERT_BACKLOG": "10m",
             }
         )
     )
-    assert config == AlertConfig(window=3600, retry_window=1800, retry_threshold=5, outbox_sla=120)
+    assert config == AlertConfig(
+        window=3600, retry_window=1800, retry_threshold=5, outbox_sla=120, backlog=600
+    )
+    assert AlertConfig.from_settings(Settings.from_env({})).backlog == 300
     with pytest.raises(SettingsError, match="PAYHOOK_ALERT_RETRY_WINDOW"):
         AlertConfig.from_settings(Settings.from_env({"PAYHOOK_ALERT_RETRY_WINDOW": "3h"}))
     with pytest.raises(SettingsError, match="PAYHOOK_ALERT_RETRY_THRESHOLD"):
         AlertConfig.from_settings(Settings.from_env({"PAYHOOK_ALERT_RETRY_THRESHOLD": "-1"}))
+    for bad in ("0s", "soon"):
+        with pytest.raises(SettingsError, match="PAYHOOK_ALERT_BACKLOG"):
+            AlertConfig.from_settings(Settings.from_env({"PAYHOOK_ALERT_BACKLOG": bad}))
     assert [_duration(s) for s in (86400, 172800, 900, 90)] == ["24h", "2d", "15m", "90s"]
