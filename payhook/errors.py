@@ -48,3 +48,7 @@ class MalformedEvent(PayhookError):
 
 class ForbiddenJob(PayhookError):
     """The job names a function payhook does not run."""
+
+
+class RefusedJob(PayhookError):
+    """The consumer refused a job it could not verify or read; it applied nothing."""

@@ -136,6 +136,31 @@ def test_job_naming_a_foreign_function_is_refused(
     assert "ForbiddenJob" in (fetch(redis_conn, job.id).latest_result().exc_string or "")
 
 
+def test_job_the_consumer_refuses_stays_in_the_dead_letter_queue_unretried(
+    settings: Settings, redis_conn: Redis, factory: Factory, tmp_path: Path
+) -> None:
+    """A job whose body the endpoint never signed applies nothing; it may be an
+    acknowledged event, so it is kept, raw, in the dead-letter queue, not
+    finished and left to expire, and not retried into more anomalies."""
+    shop = factory.shop()
+    order_id = factory.order(shop)
+    signed = factory.standard_envelope(shop, StandardEvent())
+    forged = dataclasses.replace(signed, body=signed.body.replace(b"1999", b"1"))
+    assert forged.body != signed.body
+    queue = events_queue(redis_conn, settings)
+    job = enqueue_event(queue, forged, settings)
+    worker = start(["consumer", "--burst"], process_env(settings, **FAST), tmp_path / "w.log")
+    assert worker.wait(timeout=60) == 0, (tmp_path / "w.log").read_text()[-2000:]
+    assert job.id in FailedJobRegistry(queue=queue).get_job_ids()
+    failed = fetch(redis_conn, job.id)
+    assert failed.retries_left == 0
+    assert "RefusedJob: signature_invalid" in (failed.latest_result().exc_string or "")
+    assert failed.args[0] == forged.to_json(), "the raw envelope is kept"
+    assert factory.count("security_anomalies", kind="signature_invalid") == 1
+    assert factory.count("payment_event_receipts") == 0
+    assert factory.order_state(shop, order_id) == "pending"
+
+
 def test_registry_cleaning_lock_of_a_killed_worker_expires_within_a_minute(
     settings: Settings, redis_conn: Redis
 ) -> None:
