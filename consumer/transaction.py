@@ -247,6 +247,16 @@ def write_transition(
     transaction.
     """
     assert decision.action is not None, "every forward transition has a side effect"
+    assert decision.refunded_minor is not None, "every forward transition states the refunds"
+    # The amount this transition moved: the payment's, or this refund's. A
+    # refund event carries either that refund or, from Stripe, the charge's
+    # refunded total (`event.cumulative`); `decide` turned both into the
+    # order's new total.
+    amount = (
+        decision.refunded_minor - order.refunded_minor
+        if event.kind == "refunded"
+        else event.amount_minor
+    )
     payload = {
         "action": decision.action,
         "tenant_id": endpoint.tenant_id,
@@ -254,7 +264,8 @@ def write_transition(
         "merchant_reference": order.merchant_reference,
         "event_id": event.event_id,
         "state": decision.to_state,
-        "amount_minor": event.amount_minor,
+        "amount_minor": amount,
+        "refunded_minor": decision.refunded_minor,
         "currency": order.currency,
     }
     # The order is locked FOR UPDATE by this transaction: its state is the
@@ -268,7 +279,7 @@ def write_transition(
             "from_state": order.state,
             "to_state": decision.to_state,
             "refunded_minor": decision.refunded_minor,
-            "amount_minor": event.amount_minor,
+            "amount_minor": amount,
             "outcome": decision.outcome,
             "outbox_id": uuid.uuid4(),
             "action": decision.action,

@@ -142,6 +142,7 @@ def test_event_applied_by_the_consumer_reaches_the_fulfilment_url(
         "event_id": event.event_id,
         "state": "paid",
         "amount_minor": 2500,
+        "refunded_minor": 0,
         "currency": "EUR",
     }
 

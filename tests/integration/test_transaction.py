@@ -346,6 +346,46 @@ def test_refund_before_payment_is_an_exception_not_dropped(
     assert factory.count("payment_outbox", action="notify_refund") == 1
 
 
+def test_each_refund_notification_carries_that_refund_whatever_the_gateway_reports(
+    runtime: Runtime, factory: Factory
+) -> None:
+    """Stripe reports the charge's refunded total, Standard Webhooks each refund:
+    the outbox payload and the audit row carry this refund's amount either way,
+    and the payload the order's refunded total beside it."""
+    results = {}
+    for gateway in ("stripe", "standard"):
+        shop = factory.shop(gateway)
+        order_id = factory.order(shop)
+        if gateway == "stripe":
+            bodies = [
+                stripe_body(),
+                *(stripe_body("charge.refunded", amount=a) for a in (500, 800)),
+            ]
+            jobs = [envelope(shop, body, stripe_headers(shop.secret, body)) for body in bodies]
+        else:
+            events = [
+                StandardEvent(),
+                *(StandardEvent(type="payment.refunded", amount=a) for a in (500, 300)),
+            ]
+            jobs = [factory.standard_envelope(shop, event) for event in events]
+        assert [handle(runtime, job.to_json()).outcome for job in jobs] == ["applied"] * 3
+        payloads = factory.conn.execute(
+            "SELECT payload FROM payhook.payment_outbox"
+            " WHERE order_id = %s AND action = 'notify_refund' ORDER BY created_at",
+            (order_id,),
+        ).fetchall()
+        audited = factory.conn.execute(
+            "SELECT amount_minor FROM payhook.payment_order_transitions"
+            " WHERE order_id = %s AND to_state LIKE '%%refunded' ORDER BY created_at",
+            (order_id,),
+        ).fetchall()
+        results[gateway] = (
+            [(p["payload"]["amount_minor"], p["payload"]["refunded_minor"]) for p in payloads],
+            [a["amount_minor"] for a in audited],
+        )
+    assert results["stripe"] == results["standard"] == ([(500, 500), (300, 800)], [500, 300])
+
+
 def test_serialization_failures_are_retried_a_bounded_number_of_times(
     runtime: Runtime, factory: Factory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
