@@ -86,7 +86,7 @@ def handle(runtime: Runtime, data: object) -> Applied:
         try:
             event = gateway.parse(envelope.headers, envelope.body)
         except MalformedEvent as exc:
-            event, forced = _unreadable(envelope, exc), "malformed"
+            event, forced = _unreadable(gateway, envelope, exc), "malformed"
         structlog.contextvars.bind_contextvars(event_id=event.event_id)
         try:
             result = apply_with_retries(
@@ -122,7 +122,7 @@ def _verify(runtime: Runtime, gateway: Gateway, envelope: Envelope, endpoint: En
     gateway.verify(envelope.headers, envelope.body, secrets, now=None, tolerance=None)
 
 
-def _unreadable(envelope: Envelope, exc: MalformedEvent) -> Event:
+def _unreadable(gateway: Gateway, envelope: Envelope, exc: MalformedEvent) -> Event:
     """An authentic body we cannot read, as an event that can only be recorded."""
     event_id = envelope.headers.get("webhook-id")
     event_type = "unreadable"
@@ -138,7 +138,7 @@ def _unreadable(envelope: Envelope, exc: MalformedEvent) -> Event:
     return Event.unreadable(
         event_id or f"delivery:{envelope.delivery_id}",
         event_type,
-        hashlib.sha256(envelope.body).hexdigest(),
+        gateway.unreadable_digest(envelope.body),
     )
 
 

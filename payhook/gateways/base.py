@@ -89,6 +89,10 @@ class Gateway(Protocol):
     def parse(self, headers: Mapping[str, str], body: bytes) -> Event:
         """The normalized event of an authentic request; `MalformedEvent` if unreadable."""
 
+    def unreadable_digest(self, body: bytes) -> str:
+        """The digest of an authentic body `parse` refused, stable across the
+        gateway's redeliveries of it, so that one is a duplicate, not a conflict."""
+
 
 def canonical_digest(content: Any) -> str:
     """sha256 hex of canonical JSON: sorted keys, no whitespace, UTF-8."""
@@ -113,6 +117,11 @@ def any_signature_matches(expected: Sequence[bytes], given: Sequence[bytes]) -> 
             # No short-circuit: every pair is compared.
             found |= hmac.compare_digest(want, got)
     return found
+
+
+def raw_digest(body: bytes) -> str:
+    """sha256 hex of the exact bytes."""
+    return hashlib.sha256(body).hexdigest()
 
 
 def load_json_object(body: bytes) -> dict[str, Any]:

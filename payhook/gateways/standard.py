@@ -23,6 +23,7 @@ from payhook.gateways.base import (
     canonical_digest,
     check_tolerance,
     load_json_object,
+    raw_digest,
     require_amount,
     require_currency,
     require_str,
@@ -110,6 +111,10 @@ class StandardGateway:
             currency=require_currency(payment, "currency"),
             digest=digest,
         )
+
+    def unreadable_digest(self, body: bytes) -> str:
+        """The exact bytes: a Standard Webhooks redelivery repeats them."""
+        return raw_digest(body)
 
 
 def _read_headers(headers: Mapping[str, str]) -> tuple[str, int, list[bytes]]:

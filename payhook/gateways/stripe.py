@@ -14,6 +14,7 @@ import hmac
 import secrets as random
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
+from typing import Any
 
 from payhook.errors import MalformedEvent, MalformedHeaders, SignatureMismatch
 from payhook.gateways.base import (
@@ -22,6 +23,7 @@ from payhook.gateways.base import (
     canonical_digest,
     check_tolerance,
     load_json_object,
+    raw_digest,
     require_amount,
     require_currency,
     require_str,
@@ -76,8 +78,7 @@ class StripeGateway:
         event_id = require_str(data, "id")
         event_type = require_str(data, "type")
         assert event_id is not None and event_type is not None
-        business = {k: v for k, v in data.items() if k not in DELIVERY_FIELDS}
-        digest = canonical_digest(business)
+        digest = _business_digest(data)
         created = data.get("created")
         occurred_at = (
             datetime.fromtimestamp(created, UTC)
@@ -116,6 +117,19 @@ class StripeGateway:
             digest=digest,
             cumulative=event_type == "charge.refunded",
         )
+
+    def unreadable_digest(self, body: bytes) -> str:
+        """A JSON object's business content, as `parse` digests it: Stripe
+        rewrites the delivery fields on every redelivery. Other bytes as they are."""
+        try:
+            return _business_digest(load_json_object(body))
+        except MalformedEvent:
+            return raw_digest(body)
+
+
+def _business_digest(data: dict[str, Any]) -> str:
+    """The digest of an event without what Stripe changes between deliveries."""
+    return canonical_digest({k: v for k, v in data.items() if k not in DELIVERY_FIELDS})
 
 
 def _read_header(header: str) -> tuple[int, list[bytes]]:

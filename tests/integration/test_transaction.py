@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import json
 import threading
 from collections import Counter
 from collections.abc import Iterator
@@ -324,6 +325,27 @@ def test_authentic_but_unreadable_body_is_kept_as_an_exception(
     assert (
         factory.count("payment_event_receipts", outcome="malformed", event_id=event.event_id) == 1
     )
+    assert factory.count("payment_exceptions", kind="malformed") == 1
+
+
+def test_stripe_redelivery_of_an_unreadable_event_is_a_duplicate_not_a_conflict(
+    runtime: Runtime, factory: Factory
+) -> None:
+    """Stripe rewrites `pending_webhooks` and `request` on each delivery: an
+    event payhook cannot read is digested without them too."""
+    shop = factory.shop("stripe")
+    bodies = []
+    for pending in (2, 1):
+        data = json.loads(stripe_body(event_id="evt_unreadable", pending_webhooks=pending))
+        data["data"]["object"]["amount"] = "lots"
+        bodies.append(json.dumps(data).encode())
+    assert bodies[0] != bodies[1]
+    outcomes = [
+        handle(runtime, envelope(shop, body, stripe_headers(shop.secret, body)).to_json()).outcome
+        for body in bodies
+    ]
+    assert outcomes == ["malformed", "duplicate"]
+    assert factory.count("security_anomalies") == 0
     assert factory.count("payment_exceptions", kind="malformed") == 1
 
 

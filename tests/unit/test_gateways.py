@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from datetime import UTC, datetime
@@ -262,3 +263,14 @@ def test_deeply_nested_body_is_malformed_not_a_crash() -> None:
     body = b"[" * 100_000 + b"]" * 100_000
     with pytest.raises(MalformedEvent):
         StandardGateway().parse({"webhook-id": "m"}, body)
+
+
+def test_unreadable_bodies_are_digested_as_their_redeliveries_repeat_them() -> None:
+    body = b'{"id": "evt_1", "type": "x", "pending_webhooks": 2, "request": {"id": "req_1"}}'
+    again = b'{"id": "evt_1", "type": "x", "pending_webhooks": 1, "request": {"id": "req_2"}}'
+    stripe_gateway, standard_gateway = get_gateway("stripe"), get_gateway("standard")
+    assert stripe_gateway.unreadable_digest(body) == stripe_gateway.unreadable_digest(again)
+    assert stripe_gateway.unreadable_digest(b"not json") == hashlib.sha256(b"not json").hexdigest()
+    changed = body.replace(b'"type": "x"', b'"type": "y"')
+    assert stripe_gateway.unreadable_digest(changed) != stripe_gateway.unreadable_digest(body)
+    assert standard_gateway.unreadable_digest(body) == hashlib.sha256(body).hexdigest()
