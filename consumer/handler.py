@@ -132,7 +132,7 @@ def _unreadable(gateway: Gateway, envelope: Envelope, exc: MalformedEvent) -> Ev
             event_id = event_id or (data.get("id") if isinstance(data.get("id"), str) else None)
             if isinstance(data.get("type"), str):
                 event_type = data["type"][:255]
-    except ValueError:
+    except (ValueError, RecursionError):
         pass
     log.error("event_malformed", reason=str(exc))
     return Event.unreadable(

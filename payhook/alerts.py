@@ -7,7 +7,7 @@ exports every signal as `payhook_alert_value` and `payhook_alert_threshold`
 
 | variable | default | meaning |
 |---|---|---|
-| `PAYHOOK_ALERT_WINDOW` | 24h | how long a payload-digest conflict keeps its alert active |
+| `PAYHOOK_ALERT_WINDOW` | 24h | how long a digest conflict or refused job keeps its alert on |
 | `PAYHOOK_ALERT_RETRY_WINDOW` | 15m | window of the transaction-retry count (1m to 2h) |
 | `PAYHOOK_ALERT_RETRY_THRESHOLD` | 20 | retries in that window above which it alerts |
 | `PAYHOOK_ALERT_BACKLOG` | 5m | an event job waiting in the queue for longer alerts |
@@ -41,6 +41,8 @@ from payhook.settings import Settings, parse_duration, positive_int
 DEFAULT_WINDOW = 24 * 3600.0
 #: Seconds an event job may wait in the queue before the backlog alerts.
 DEFAULT_BACKLOG = 300.0
+#: Job ids read from the head of the queue, at most, for the backlog's age.
+BACKLOG_PROBE = 10
 #: Seconds over which transaction retries are summed.
 DEFAULT_RETRY_WINDOW = 15 * 60.0
 #: Retries in the window above which the retry alert is active.
@@ -199,19 +201,23 @@ def read_signals(
 
 
 def oldest_waiting(queue: Queue) -> float:
-    """Seconds the job at the head of `queue` has waited since it was enqueued; 0 if none.
+    """Seconds the oldest job of `queue` has waited since it was enqueued; 0 if none.
 
     Workers take jobs from the head, so while consumers keep up this stays
-    near zero; it grows when they are down, stuck or outpaced.
+    near zero; it grows when they are down, stuck or outpaced. A head id
+    without a readable job (gone, or its time unreadable) is passed over for
+    the next, up to `BACKLOG_PROBE` of them.
     """
-    head = queue.get_job_ids(0, 1)
-    if not head:
-        return 0.0
-    raw = queue.connection.hget(queue.job_class.key_for(head[0]), "enqueued_at")
-    if not raw:
-        return 0.0  # taken, or gone, between the two reads
-    enqueued_at = utcparse(raw.decode() if isinstance(raw, bytes) else str(raw))
-    return max(0.0, (datetime.now(UTC) - enqueued_at).total_seconds())
+    for job_id in queue.get_job_ids(0, BACKLOG_PROBE):
+        raw = queue.connection.hget(queue.job_class.key_for(job_id), "enqueued_at")
+        if not raw:
+            continue
+        try:
+            enqueued_at = utcparse(raw.decode() if isinstance(raw, bytes) else str(raw))
+        except ValueError:
+            continue
+        return max(0.0, (datetime.now(UTC) - enqueued_at).total_seconds())
+    return 0.0
 
 
 class AlertCollector(Collector):

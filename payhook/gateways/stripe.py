@@ -123,7 +123,7 @@ class StripeGateway:
         rewrites the delivery fields on every redelivery. Other bytes as they are."""
         try:
             return _business_digest(load_json_object(body))
-        except MalformedEvent:
+        except (MalformedEvent, RecursionError):
             return raw_digest(body)
 
 

@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 from redis import Redis
+from rq import Retry
 from rq.job import Job, JobStatus
 from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 
-from payhook.queue import enqueue_event, events_queue
+from payhook.queue import APPLY_EVENT, enqueue_event, events_queue
 from payhook.settings import Settings
 from tests.factories import Factory, StandardEvent
 from tests.processes import process_env, start, stop, wait_until
@@ -136,27 +137,34 @@ def test_job_naming_a_foreign_function_is_refused(
     assert "ForbiddenJob" in (fetch(redis_conn, job.id).latest_result().exc_string or "")
 
 
+@pytest.mark.parametrize("kind", ["signature_invalid", "unknown_endpoint", "malformed_job"])
 def test_job_the_consumer_refuses_stays_in_the_dead_letter_queue_unretried(
-    settings: Settings, redis_conn: Redis, factory: Factory, tmp_path: Path
+    kind: str, settings: Settings, redis_conn: Redis, factory: Factory, tmp_path: Path
 ) -> None:
-    """A job whose body the endpoint never signed applies nothing; it may be an
+    """A job the consumer cannot verify or read applies nothing; it may be an
     acknowledged event, so it is kept, raw, in the dead-letter queue, not
     finished and left to expire, and not retried into more anomalies."""
     shop = factory.shop()
     order_id = factory.order(shop)
     signed = factory.standard_envelope(shop, StandardEvent())
-    forged = dataclasses.replace(signed, body=signed.body.replace(b"1999", b"1"))
-    assert forged.body != signed.body
     queue = events_queue(redis_conn, settings)
-    job = enqueue_event(queue, forged, settings)
+    if kind == "signature_invalid":
+        data = dataclasses.replace(signed, body=signed.body.replace(b"1999", b"1")).to_json()
+    elif kind == "unknown_endpoint":
+        data = dataclasses.replace(signed, endpoint_id=str(uuid.uuid4())).to_json()
+    else:
+        data = {"v": 1, "endpoint_id": shop.endpoint_id}
+    assert data != signed.to_json()
+    job = queue.enqueue(APPLY_EVENT, data, retry=Retry(max=3, interval=[0, 1, 1]))
     worker = start(["consumer", "--burst"], process_env(settings, **FAST), tmp_path / "w.log")
     assert worker.wait(timeout=60) == 0, (tmp_path / "w.log").read_text()[-2000:]
     assert job.id in FailedJobRegistry(queue=queue).get_job_ids()
     failed = fetch(redis_conn, job.id)
     assert failed.retries_left == 0
-    assert "RefusedJob: signature_invalid" in (failed.latest_result().exc_string or "")
-    assert failed.args[0] == forged.to_json(), "the raw envelope is kept"
-    assert factory.count("security_anomalies", kind="signature_invalid") == 1
+    assert f"RefusedJob: {kind}" in (failed.latest_result().exc_string or "")
+    assert failed.args[0] == data, "the raw envelope is kept"
+    assert factory.count("security_anomalies", kind=kind) == 1
+    assert factory.count("security_anomalies") == 1
     assert factory.count("payment_event_receipts") == 0
     assert factory.order_state(shop, order_id) == "pending"
 

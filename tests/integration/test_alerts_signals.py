@@ -25,6 +25,7 @@ from payhook.alerts import (
     AlertConfig,
     AlertsUnavailable,
     Signal,
+    oldest_waiting,
     read_signals,
 )
 from payhook.db import Row, connect
@@ -215,3 +216,22 @@ def test_an_event_refused_beyond_the_horizon_raises_the_late_events_alert(
     assert values(conn, redis_conn, settings)["late_events"] == 1
     loud = check(settings)
     assert loud.returncode == 1 and loud.stdout.split()[0] == "late_events"
+
+
+def test_backlog_passes_over_head_ids_without_a_readable_job(
+    conn: psycopg.Connection[Row], settings: Settings, redis_conn: Redis
+) -> None:
+    """Consumers down: the ids at the head may name jobs gone or unreadable; the
+    age is that of the first job that can be read, not zero."""
+    queue = events_queue(redis_conn, settings)
+    gone = queue.enqueue("consumer.jobs.apply_event", {"v": 1})
+    garbled = queue.enqueue("consumer.jobs.apply_event", {"v": 1})
+    old = queue.enqueue("consumer.jobs.apply_event", {"v": 1})
+    redis_conn.delete(gone.key)
+    redis_conn.hset(garbled.key, "enqueued_at", b"\xff yesterday")
+    redis_conn.hset(old.key, "enqueued_at", utcformat(datetime.now(UTC) - timedelta(minutes=10)))
+    assert queue.get_job_ids()[:3] == [gone.id, garbled.id, old.id]
+    assert 600 <= values(conn, redis_conn, settings)["queue_backlog"] < 660
+    assert oldest_waiting(queue) >= 600
+    queue.empty()
+    assert oldest_waiting(queue) == 0

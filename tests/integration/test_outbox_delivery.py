@@ -308,15 +308,20 @@ def test_row_is_not_started_without_time_left_to_record_its_result(
     shop = factory.shop(fulfilment_url="http://127.0.0.1:9/unused")
     ids = add_rows(conn, shop, factory.order(shop), 2)
     started: list[str] = []
+    ended: list[float] = []
 
     def delivery(client: httpx.Client, claim: Claim) -> Outcome:
         started.append(claim.id)
         time.sleep(0.7)  # leaves about 2.3 s of the 3 s lease: budget 2 s, margin 0.5 s
+        ended.append(time.monotonic())
         return Outcome("delivered", "test")
 
     config = OutboxConfig(lease=3, batch=2, concurrency=1, timeout=1)
     worker = make_worker(config, deliver=delivery)
+    before = time.monotonic()
     assert worker.run_batch() == 2
+    # The premise: without the margin, the second row had time enough to start.
+    assert before + config.lease - ended[0] > 2 * config.timeout
     [first] = started
     [second] = [i for i in ids if i != first]
     assert row(conn, first)["state"] == "delivered"

@@ -274,3 +274,22 @@ def test_unreadable_bodies_are_digested_as_their_redeliveries_repeat_them() -> N
     changed = body.replace(b'"type": "x"', b'"type": "y"')
     assert stripe_gateway.unreadable_digest(changed) != stripe_gateway.unreadable_digest(body)
     assert standard_gateway.unreadable_digest(body) == hashlib.sha256(body).hexdigest()
+
+
+def test_bodies_json_reads_but_utf8_cannot_hold_are_digested_not_raised() -> None:
+    """A lone surrogate escape, an integer beyond Python's digit limit, deep
+    nesting: an authentic body may hold any of them; none may fail the job."""
+    event = StandardEvent()
+    odd = event.body().replace(b'"type":', b'"note": "\\ud800", "type":', 1)
+    assert odd != event.body()
+    parsed = get_gateway("standard").parse({"webhook-id": event.event_id}, odd)
+    assert len(parsed.digest) == 64
+    stripe_gateway = get_gateway("stripe")
+    for body in (
+        b'{"id": "evt_1", "type": 5, "x": "\\ud800"}',
+        b'{"id": "evt_1", "n": ' + b"9" * 5000 + b"}",
+        b"[" * 100_000 + b"]" * 100_000,
+    ):
+        with pytest.raises(MalformedEvent):
+            stripe_gateway.parse({}, body)
+        assert len(stripe_gateway.unreadable_digest(body)) == 64
