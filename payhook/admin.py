@@ -51,12 +51,7 @@ def add_endpoint(
     conn: psycopg.Connection[Row], tenant_id: str, gateway: str, secret: str | None = None
 ) -> NewEndpoint:
     get_gateway(gateway)
-    secret = secret or generate_secret(gateway)
-    if gateway == "standard":
-        try:
-            standard.secret_key(secret)
-        except ValueError as exc:
-            raise PayhookError(f"--secret: {exc}") from None
+    secret = _checked_secret(gateway, secret or generate_secret(gateway))
     endpoint_id = str(uuid.uuid4())
     try:
         with conn.transaction():
@@ -83,8 +78,19 @@ def rotate_endpoint_secret(
         row = fetch_one(conn, "get_endpoint", {"endpoint_id": _uuid(endpoint_id, "endpoint")})
         if row is None:
             raise NotFound(f"no endpoint {endpoint_id}")
-        secret = secret or generate_secret(row["gateway"])
+        secret = _checked_secret(row["gateway"], secret or generate_secret(row["gateway"]))
         execute(conn, "add_endpoint_secret", {"id": endpoint_id, "secret": secret})
+    return secret
+
+
+def _checked_secret(gateway: str, secret: str) -> str:
+    """`secret`, if `gateway` can sign with it: a Standard Webhooks secret is
+    `whsec_` and base64 (a Stripe secret is used as it is)."""
+    if gateway == "standard":
+        try:
+            standard.secret_key(secret)
+        except ValueError as exc:
+            raise PayhookError(f"--secret: {exc}") from None
     return secret
 
 

@@ -8,7 +8,6 @@ space-separated list of `v1,<base64>`; HMAC-SHA256 over
 from __future__ import annotations
 
 import base64
-import binascii
 import functools
 import hashlib
 import hmac
@@ -53,7 +52,7 @@ def secret_key(secret: str) -> bytes:
     padded = encoded + "=" * (-len(encoded) % 4)
     try:
         key = base64.b64decode(padded, validate=True)
-    except binascii.Error:
+    except ValueError:  # binascii.Error, or a secret that is not ASCII
         raise ValueError("a Standard Webhooks secret is whsec_ and base64") from None
     if not key:
         raise ValueError("a Standard Webhooks secret may not be empty")
@@ -83,7 +82,7 @@ class StandardGateway:
         event_id, timestamp, signatures = _read_headers(headers)
         check_tolerance(timestamp, now, tolerance)
         content = f"{event_id}.{timestamp}.".encode() + body
-        expected = [hmac.digest(secret_key(secret), content, "sha256") for secret in secrets]
+        expected = [hmac.digest(key, content, "sha256") for key in _keys(secrets)]
         if not any_signature_matches(expected, signatures):
             raise SignatureMismatch()
 
@@ -117,6 +116,18 @@ class StandardGateway:
         return raw_digest(body)
 
 
+def _keys(secrets: Sequence[str]) -> list[bytes]:
+    """The HMAC keys of `secrets`, passing over any that is not a `whsec_` secret
+    (the commands refuse one; a row written otherwise must not stop the others)."""
+    keys = []
+    for secret in secrets:
+        try:
+            keys.append(secret_key(secret))
+        except ValueError:
+            continue
+    return keys
+
+
 def _read_headers(headers: Mapping[str, str]) -> tuple[str, int, list[bytes]]:
     event_id = headers.get("webhook-id", "")
     raw_timestamp = headers.get("webhook-timestamp", "")
@@ -132,7 +143,7 @@ def _read_headers(headers: Mapping[str, str]) -> tuple[str, int, list[bytes]]:
             continue  # unknown schemes (v1a, future versions) are ignored
         try:
             signatures.append(base64.b64decode(value, validate=True))
-        except binascii.Error:
+        except ValueError:  # binascii.Error, or a value that is not ASCII
             continue
     return event_id, int(raw_timestamp), signatures
 

@@ -29,8 +29,10 @@ from consumer.jobs import install_runtime
 from consumer.main import build_worker
 from ingress.app import Ingress, create_app
 from ingress.endpoints import Endpoint, PostgresEndpoints
+from payhook import admin
 from payhook.db import create_pool
 from payhook.envelope import Envelope
+from payhook.errors import PayhookError
 from payhook.queue import APPLY_EVENT, enqueue_event, events_queue
 from payhook.settings import Settings
 from tests.conftest import REDIS_TEST_URL, test_settings
@@ -249,6 +251,51 @@ async def test_missing_or_malformed_signature_headers_are_400(
     assert response.status_code == 400
     assert response.json() == {"error": "bad_request"}
     assert harness.jobs() == []
+
+
+async def test_header_bytes_beyond_ascii_are_refused_not_a_500(
+    harness: Harness, factory: Factory
+) -> None:
+    """Header values arrive as bytes; one that is not ASCII where base64 or digits
+    are expected is a refusal, like any other bad signature, never a 500."""
+    shop = factory.shop()
+    await refresh(harness)
+    event = StandardEvent()
+    body = event.body()
+    good = event.headers(shop.secret, body)
+    for name, value in (
+        ("webhook-signature", b"v1,\xe9"),
+        ("webhook-signature", b"v1,\xe9 " + good["webhook-signature"].encode()),
+        ("webhook-timestamp", b"\xb9\xb2"),
+    ):
+        sent = {k.encode(): v.encode() for k, v in good.items()} | {name.encode(): value}
+        response = await harness.client.post(
+            f"/webhooks/{shop.endpoint_id}", content=body, headers=sent
+        )
+        if value.startswith(b"v1,\xe9 "):  # the authentic signature is still there
+            assert response.status_code == 202, value
+        else:
+            assert response.status_code in (400, 401), (value, response.status_code)
+    assert len(harness.jobs()) == 1
+
+
+async def test_a_stored_secret_that_is_not_whsec_base64_does_not_stop_the_others(
+    harness: Harness, factory: Factory
+) -> None:
+    """The commands refuse such a secret; one written some other way is passed
+    over, and the endpoint's good secrets still verify."""
+    shop = factory.shop()
+    with pytest.raises(PayhookError, match="--secret"):
+        admin.rotate_endpoint_secret(factory.conn, shop.endpoint_id, "whsec_not base64!")
+    factory.conn.execute(
+        "UPDATE payhook.webhook_endpoints SET secrets = array_prepend('whsec_é!', secrets)"
+        " WHERE id = %s",
+        (shop.endpoint_id,),
+    )
+    await refresh(harness)
+    event = StandardEvent()
+    response = await harness.post(shop.endpoint_id, event.body(), event.headers(shop.secret))
+    assert response.status_code == 202
 
 
 async def test_body_over_the_limit_is_413_declared_or_streamed(
