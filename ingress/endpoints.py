@@ -121,7 +121,11 @@ class Refresher:
         try:
             async with asyncio.timeout(REFRESH_TIMEOUT):
                 endpoints = await self.load()
-        except (psycopg.Error, OSError, TimeoutError) as exc:
+        except Exception as exc:
+            # The database away (psycopg.Error, OSError, TimeoutError) or
+            # anything else: the last good copy serves and the loop goes on;
+            # a refresh task that died would leave the cache unchanged for
+            # good, retired secrets still verifying, with /readyz still ready.
             log.warning(
                 "endpoints_refresh_failed",
                 error=exc.__class__.__name__,

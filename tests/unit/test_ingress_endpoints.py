@@ -60,5 +60,24 @@ def test_run_refreshes_every_interval_until_cancelled() -> None:
     assert loader.calls >= 3
 
 
+def test_an_unexpected_error_is_a_failed_refresh_and_the_refreshing_goes_on() -> None:
+    """Not only the database's errors: a refresh task that died would keep a
+    retired secret verifying for good."""
+    results: list[bool] = []
+    loader = Loader([ONE], KeyError("secrets"), [TWO])
+    cache = EndpointCache()
+
+    async def scenario() -> None:
+        refresher = Refresher(cache, loader, 0.001, on_result=results.append)
+        task = asyncio.create_task(refresher.run())
+        while loader.calls < 3:
+            await asyncio.sleep(0.001)
+        task.cancel()
+
+    asyncio.run(asyncio.wait_for(scenario(), timeout=10))
+    assert results[:3] == [True, False, True]
+    assert cache.get("e2") == TWO
+
+
 def test_secrets_never_appear_in_a_repr() -> None:
     assert "whsec" not in repr(ONE) and "e1" in repr(ONE)
