@@ -10,7 +10,8 @@
 
 A dead-letter job is requeued with the JSON serializer and a fresh retry
 budget, and only when it is an `apply_event` job of the events queue: nothing
-else is ever put in front of a consumer.
+else is ever put in front of a consumer. It leaves the dead-letter queue and
+joins the events queue in one Redis transaction.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ from typing import Any, TextIO
 
 import psycopg
 from redis import Redis
-from rq.exceptions import DeserializationError, InvalidJobOperation, NoSuchJobError
+from redis.exceptions import WatchError
+from rq import Queue
+from rq.exceptions import DeserializationError, NoSuchJobError
 from rq.job import Job
 from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
@@ -38,6 +41,8 @@ from payhook.settings import Settings, parse_duration
 
 #: Most rows a list command prints at once.
 MAX_LIST_LIMIT = 10_000
+#: Tries of one requeue while other jobs keep landing in the dead-letter queue.
+REQUEUE_ATTEMPTS = 10
 
 
 class NotRequeueable(PayhookError):
@@ -207,10 +212,33 @@ def requeue_dead_letter(redis: Redis, settings: Settings, job_id: str) -> Job:
     intervals = list(settings.job_retry_intervals)
     job.retries_left = len(intervals)
     job.retry_intervals = intervals
-    try:
-        return registry.requeue(job)
-    except InvalidJobOperation:
-        raise NotRequeueable(f"job {job_id} is not in the dead-letter queue") from None
+    return _requeue(registry, queue, job)
+
+
+def _requeue(registry: FailedJobRegistry, queue: Queue, job: Job) -> Job:
+    """Take `job` out of the registry and put it on `queue`, in one MULTI/EXEC.
+
+    RQ's `FailedJobRegistry.requeue` removes the job from the registry, then
+    enqueues it, in two round trips: a connection lost between them would
+    leave the only copy of an acknowledged event in neither. Here both happen
+    or neither does, and the registry is watched, so that two requeues of one
+    job (two operators, a double click) put it on the queue once.
+    """
+    for _ in range(REQUEUE_ATTEMPTS):
+        with registry.connection.pipeline() as pipe:
+            try:
+                pipe.watch(registry.key)  # type: ignore[no-untyped-call]
+                if pipe.zscore(registry.key, job.id) is None:
+                    raise NotRequeueable(f"job {job.id} is not in the dead-letter queue")
+                job.started_at = job.ended_at = None
+                pipe.multi()
+                pipe.zrem(registry.key, job.id)
+                queue.enqueue_job(job, pipeline=pipe)
+                pipe.execute()
+                return job
+            except WatchError:
+                continue  # the registry changed meanwhile (another job failed): look again
+    raise NotRequeueable(f"job {job.id}: the dead-letter queue kept changing; try again")
 
 
 def requeue_all_dead_letters(redis: Redis, settings: Settings) -> tuple[list[str], list[str]]:

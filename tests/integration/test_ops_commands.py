@@ -5,13 +5,17 @@ from __future__ import annotations
 import io
 import json
 import pickle
+import threading
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
 from redis import Redis
+from redis.client import Pipeline
+from redis.exceptions import ConnectionError as RedisConnectionError
 from rq import Queue
 from rq.job import Job
 from rq.registry import FailedJobRegistry
@@ -152,6 +156,68 @@ def test_a_dead_letter_job_requeued_from_the_cli_is_applied_by_a_consumer(
         "retries": 0,
     }
     assert factory.order_state(shop, order_id) == "paid"
+
+
+def test_a_requeue_cut_off_midway_leaves_the_job_in_the_dead_letter_queue(
+    factory: Factory, settings: Settings, redis_conn: Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Out of the registry and onto the queue, or neither: a dead-letter job is
+    the only copy of an acknowledged event."""
+    shop = factory.shop()
+    queue = events_queue(redis_conn, settings)
+    envelope = factory.standard_envelope(shop, StandardEvent())
+    job = dead_letter(redis_conn, queue, enqueue_event(queue, envelope, settings))
+
+    def lost(self: Pipeline, raise_on_error: bool = True) -> list[Any]:
+        self.reset()
+        raise RedisConnectionError("connection lost")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(Pipeline, "execute", lost)
+        with pytest.raises(RedisConnectionError):
+            requeue_dead_letter(redis_conn, settings, job.id)
+    assert FailedJobRegistry(queue=queue).get_job_ids() == [job.id]
+    assert queue.get_job_ids() == []
+    requeue_dead_letter(redis_conn, settings, job.id)
+    assert FailedJobRegistry(queue=queue).get_job_ids() == []
+    assert queue.get_job_ids() == [job.id]
+    with pytest.raises(NotRequeueable, match="not in the dead-letter queue"):
+        requeue_dead_letter(redis_conn, settings, job.id)
+    assert queue.get_job_ids() == [job.id]
+
+
+def test_two_requeues_of_one_job_at_once_put_it_on_the_queue_once(
+    factory: Factory, settings: Settings, redis_conn: Redis
+) -> None:
+    shop = factory.shop()
+    queue = events_queue(redis_conn, settings)
+    jobs = [
+        dead_letter(
+            redis_conn,
+            queue,
+            enqueue_event(queue, factory.standard_envelope(shop, StandardEvent()), settings),
+        )
+        for _ in range(5)
+    ]
+    barrier = threading.Barrier(8)
+
+    def requeue(job_id: str) -> bool:
+        own = Redis.from_url(settings.redis_url)
+        barrier.wait()
+        try:
+            requeue_dead_letter(own, settings, job_id)
+        except NotRequeueable:
+            return False
+        finally:
+            own.close()
+        return True
+
+    targets = [jobs[0].id] * 4 + [job.id for job in jobs[1:]]
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        results = list(pool.map(requeue, targets))
+    assert results[:4].count(True) == 1 and all(results[4:])
+    assert sorted(queue.get_job_ids()) == sorted(job.id for job in jobs)
+    assert FailedJobRegistry(queue=queue).get_job_ids() == []
 
 
 def test_only_payhook_event_jobs_of_the_events_queue_are_requeued(
