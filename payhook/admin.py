@@ -14,6 +14,8 @@ from payhook.gateways import generate_secret, get_gateway, standard
 #: Days a retired secret still verifies jobs received before its retirement:
 #: longer than a job stays in the dead-letter queue (payhook.queue.FAILURE_TTL).
 RETIRED_SECRET_DAYS = 31
+#: Largest order amount: PostgreSQL's bigint.
+MAX_AMOUNT_MINOR = 2**63 - 1
 
 
 class AlreadyExists(PayhookError):
@@ -109,8 +111,14 @@ def add_order(
     amount_minor: int,
     currency: str,
 ) -> str:
-    if amount_minor <= 0:
-        raise PayhookError("--amount must be a positive number of minor units")
+    if not merchant_reference:
+        raise PayhookError("--merchant-ref may not be empty")
+    if not gateway_order_id:
+        raise PayhookError("--gateway-order-id may not be empty")
+    if not 0 < amount_minor <= MAX_AMOUNT_MINOR:
+        raise PayhookError(
+            f"--amount must be a positive number of minor units, at most {MAX_AMOUNT_MINOR}"
+        )
     if len(currency) != 3 or not currency.isalpha():
         raise PayhookError("--currency must be a three-letter code such as EUR")
     order_id = str(uuid.uuid4())

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import psycopg
+from redis.exceptions import RedisError
 
 from payhook.errors import PayhookError
 from payhook.logs import configure_logging
@@ -353,8 +354,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PayhookError as exc:
         print(f"payhook: error: {exc}", file=sys.stderr)
         return 2
-    except psycopg.OperationalError as exc:
+    except psycopg.errors.UndefinedTable as exc:
+        first = str(exc).splitlines()[0] if str(exc) else "a table is missing"
+        print(f"payhook: error: PostgreSQL: {first}; run `payhook migrate`", file=sys.stderr)
+        return 2
+    except psycopg.Error as exc:
+        # Unreachable, or a statement refused: the server's own message.
         print(f"payhook: error: PostgreSQL: {exc}".rstrip(), file=sys.stderr)
+        return 2
+    except RedisError as exc:
+        print(f"payhook: error: Redis: {exc}".rstrip(), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

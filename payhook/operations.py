@@ -287,12 +287,13 @@ def run(args: argparse.Namespace, settings: Settings, out: TextIO = sys.stdout) 
             # command runs, as cli.py does for each process, so the shared
             # kernel never depends on a component.
             from consumer.replay import replay_exception, resolve_by_hand
+        tenant = _uuid(args.tenant, "--tenant") if args.tenant else None
         if args.action == "replay":
-            replay = replay_exception(conn, args.id, tenant_id=args.tenant, dry_run=args.dry_run)
+            replay = replay_exception(conn, args.id, tenant_id=tenant, dry_run=args.dry_run)
             _print_json(out, replay.to_json())
             return 0 if replay.resolved else 1
         if args.action == "resolve":
-            closed = resolve_by_hand(conn, args.id, tenant_id=args.tenant)
+            closed = resolve_by_hand(conn, args.id, tenant_id=tenant)
             _print_json(out, {"exception_id": args.id, "resolved": True, "changed": closed})
             return 0
     raise PayhookError(f"unknown command {args.command} {getattr(args, 'action', '')}".strip())

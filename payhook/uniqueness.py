@@ -444,6 +444,8 @@ def _chosen_rules(args: argparse.Namespace, settings: Settings) -> list[UniqueRu
         if not args.columns or not args.rule:
             raise RuleError("--table needs --columns and --rule (the index name)")
         columns = tuple(c.strip() for c in args.columns.split(",") if c.strip())
+        if not columns:
+            raise RuleError("--columns: name at least one column, comma-separated")
         return [UniqueRule(args.rule, args.table, columns)]
     rules = [r for m in pending_migrations(settings) for r in rules_in(m.path.read_text())]
     return [r for r in rules if args.rule in (None, r.name)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import pickle
+import socket
 import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -27,7 +28,7 @@ from consumer.main import build_worker
 from consumer.transaction import Endpoint, apply_event
 from consumer.worker import PayhookJob, PayhookWorker
 from payhook import operations
-from payhook.cli import build_parser
+from payhook.cli import build_parser, main
 from payhook.db import Row, create_pool
 from payhook.gateways import get_gateway
 from payhook.operations import NotRequeueable, requeue_dead_letter
@@ -283,3 +284,51 @@ def plant_pickled_job(redis_conn: Redis, queue: Queue, marker: Path) -> str:
     )
     redis_conn.zadd(FailedJobRegistry(queue=queue).key, {job_id: 4102444800})
     return job_id
+
+
+def test_bad_input_is_a_clear_error_with_exit_2_never_a_traceback(
+    factory: Factory,
+    settings: Settings,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    shop = factory.shop()
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        closed_port = unused.getsockname()[1]
+    empty = f"payhook_test_empty_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(settings.database_url.rsplit("/", 1)[0] + "/postgres") as admin:
+        admin.autocommit = True
+        admin.execute(f'CREATE DATABASE "{empty}"')
+    order = ["orders", "add", "--tenant", shop.tenant_id, "--currency", "EUR"]
+    cases: list[tuple[list[str], dict[str, str], str]] = [
+        (["exceptions", "replay", "1", "--tenant", "bogus"], {}, "--tenant: expected a UUID"),
+        (["exceptions", "resolve", "1", "--tenant", "bogus"], {}, "--tenant: expected a UUID"),
+        ([*order, "--merchant-ref", "", "--gateway-order-id", "pi_1", "--amount", "5"], {},
+         "--merchant-ref may not be empty"),
+        ([*order, "--merchant-ref", "r", "--gateway-order-id", "", "--amount", "5"], {},
+         "--gateway-order-id may not be empty"),
+        ([*order, "--merchant-ref", "r", "--gateway-order-id", "g", "--amount", "9" * 20], {},
+         "--amount must be a positive number"),
+        (["dlq", "list"], {"REDIS_URL": f"redis://127.0.0.1:{closed_port}/0"},
+         "payhook: error: Redis:"),
+        (["uniqueness", "check", "--table", "payhook.x", "--columns", " , ", "--rule", "r"], {},
+         "--columns: name at least one column"),
+        (["exceptions", "list"], {"DATABASE_URL": settings.database_url.rsplit("/", 1)[0]
+                                  + "/" + empty}, "run `payhook migrate`"),
+    ]  # fmt: skip
+    try:
+        for argv, env, message in cases:
+            with monkeypatch.context() as patched:
+                patched.setenv("DATABASE_URL", str(settings.database_url))
+                patched.setenv("REDIS_URL", str(settings.redis_url))
+                for name, value in env.items():
+                    patched.setenv(name, value)
+                assert main(argv) == 2, argv
+            err = capsys.readouterr().err
+            assert message in err, (argv, err)
+            assert "Traceback" not in err
+    finally:
+        with psycopg.connect(settings.database_url.rsplit("/", 1)[0] + "/postgres") as admin:
+            admin.autocommit = True
+            admin.execute(f'DROP DATABASE IF EXISTS "{empty}" WITH (FORCE)')
