@@ -285,7 +285,8 @@ def run(
             "REDIS_URL": services.redis_url,
             "PYTHONUNBUFFERED": "1",
         }
-        password = environ.get("PAYHOOK_DASHBOARD_PASSWORD") or secrets.token_urlsafe(12)
+        given = environ.get("PAYHOOK_DASHBOARD_PASSWORD")
+        password = given or secrets.token_urlsafe(12)
         env["PAYHOOK_DASHBOARD_PASSWORD"] = password
         child_settings = Settings.from_env(env)
         applied = apply_migrations(child_settings)
@@ -319,7 +320,8 @@ def run(
             stopping.check()
             raise PayhookError(f"the ingress was not ready within {READY_TIMEOUT:g}s")
         user = DashboardConfig.from_settings(child_settings).user
-        for line in banner(base, options, user, password, demo):
+        # A password of the operator's own is theirs to know: never printed.
+        for line in banner(base, options, user, None if given else password, demo):
             out.say(line)
 
         while not stopping.event.wait(0.5):
@@ -496,13 +498,14 @@ def ensure_demo(settings: Settings, fulfilment_url: str | None) -> Demo | None:
 
 
 def banner(
-    base: str, options: StackOptions, user: str, password: str, demo: Demo | None
+    base: str, options: StackOptions, user: str, password: str | None, demo: Demo | None
 ) -> list[str]:
-    """What a newcomer needs once everything is up."""
+    """What a newcomer needs once everything is up; `password` when made up for the run."""
+    shown = password if password is not None else "from PAYHOOK_DASHBOARD_PASSWORD"
     lines = [
         "payhook is up. Ctrl-C stops everything.",
         f"  dashboard    http://127.0.0.1:{options.dashboard_port}/"
-        f"  (user {user}, password {password})",
+        f"  (user {user}, password {shown})",
         f"  metrics      {base}/metrics",
     ]
     if demo is None:
@@ -587,13 +590,19 @@ def _redis_answers(url: str) -> bool:
 
 
 def _safe_url(url: str) -> str:
-    """The URL without its password."""
+    """The URL, or libpq key=value string, without its password."""
+    url = _PASSWORD_PARAMETER.sub(r"\1***", url)
     scheme, sep, rest = url.partition("://")
     if "@" not in rest.split("/", 1)[0]:
         return url
     credentials, at, host = rest.partition("@")
     user = credentials.split(":", 1)[0]
     return f"{scheme}{sep}{user}{':***' if ':' in credentials else ''}{at}{host}"
+
+
+#: A password given as a parameter: `password=...` in a libpq key=value string
+#: (quoted or not) or in a URL's query.
+_PASSWORD_PARAMETER = re.compile(r"(\bpassword\s*=\s*)('(?:[^'\\]|\\.)*'|[^\s&]+)", re.IGNORECASE)
 
 
 def _display_host(host: str) -> str:

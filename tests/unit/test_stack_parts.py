@@ -67,6 +67,8 @@ def test_the_banner_prints_a_send_line_the_cli_accepts() -> None:
         "EUR",
     )
     assert any("user payhook, password pw" in line for line in lines)
+    given = banner("http://127.0.0.1:8000", StackOptions(), "payhook", None, demo)
+    assert any("password from PAYHOOK_DASHBOARD_PASSWORD" in line for line in given)
 
 
 def test_lines_are_prefixed_and_json_is_readable_on_a_terminal() -> None:
@@ -88,3 +90,10 @@ def test_urls_are_shown_without_their_passwords() -> None:
     assert _safe_url("redis://:secret@host:6379/0") == "redis://:***@host:6379/0"
     assert _safe_url("postgresql://user@host/db") == "postgresql://user@host/db"
     assert _safe_url("unix:///tmp/r.sock?db=0") == "unix:///tmp/r.sock?db=0"
+    assert _safe_url("host=db user=u password=s3cret dbname=p") == (
+        "host=db user=u password=*** dbname=p"
+    )
+    assert _safe_url(r"host=db password = 'it\'s s3cret' port=5") == "host=db password = *** port=5"
+    assert _safe_url("postgresql://db/p?sslmode=require&password=s3cret&x=1") == (
+        "postgresql://db/p?sslmode=require&password=***&x=1"
+    )
