@@ -81,7 +81,7 @@ class StandardGateway:
     ) -> None:
         event_id, timestamp, signatures = _read_headers(headers)
         check_tolerance(timestamp, now, tolerance)
-        content = f"{event_id}.{timestamp}.".encode() + body
+        content = _id_bytes(event_id) + f".{timestamp}.".encode() + body
         expected = [hmac.digest(key, content, "sha256") for key in _keys(secrets)]
         if not any_signature_matches(expected, signatures):
             raise SignatureMismatch()
@@ -114,6 +114,17 @@ class StandardGateway:
     def unreadable_digest(self, body: bytes) -> str:
         """The exact bytes: a Standard Webhooks redelivery repeats them."""
         return raw_digest(body)
+
+
+def _id_bytes(event_id: str) -> bytes:
+    """The bytes of the id as the sender signed them. A header value reaches
+    us decoded as latin-1, byte for byte, so encoding it back gives the exact
+    bytes sent (a non-ASCII id arrives as its UTF-8 bytes); an id that cannot
+    have come from a header is taken as UTF-8, as signers encode it."""
+    try:
+        return event_id.encode("latin-1")
+    except UnicodeEncodeError:
+        return event_id.encode()
 
 
 def _keys(secrets: Sequence[str]) -> list[bytes]:

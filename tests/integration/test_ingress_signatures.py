@@ -116,6 +116,30 @@ async def test_standardwebhooks_library_signatures_are_accepted(
 
 
 @pytest.mark.anyio
+async def test_an_id_beyond_ascii_verifies_over_the_bytes_that_were_signed(
+    harness: Harness, factory: Factory
+) -> None:
+    """The library signs the id's UTF-8 bytes, and a sender puts those bytes in
+    the header; the check runs over the same bytes, at the ingress and again
+    in the consumer, which reads the header as the ingress queued it."""
+    shop, _ = await shops(harness, factory)
+    body = StandardEvent().body()
+    msg_id, now = f"msg_été_{uuid.uuid4().hex}", datetime.now(UTC)
+    signature = Webhook(shop.secret).sign(msg_id, now, body.decode())
+    headers = {
+        b"webhook-id": msg_id.encode(),
+        b"webhook-timestamp": str(int(now.timestamp())).encode(),
+        b"webhook-signature": signature.encode(),
+    }
+    response = await harness.client.post(
+        f"/webhooks/{shop.endpoint_id}", content=body, headers=headers
+    )
+    assert response.status_code == 202
+    as_queued = {k.decode(): v.decode("latin-1") for k, v in headers.items()}
+    standard.StandardGateway().verify(as_queued, body, [shop.secret], now=None, tolerance=None)
+
+
+@pytest.mark.anyio
 async def test_stripe_library_signatures_are_accepted(harness: Harness, factory: Factory) -> None:
     _, shop = await shops(harness, factory)
     body = stripe_body()
