@@ -28,13 +28,14 @@ from consumer.main import build_worker
 from consumer.transaction import Endpoint, apply_event
 from consumer.worker import PayhookJob, PayhookWorker
 from payhook import operations
-from payhook.cli import build_parser, main
+from payhook.cli import build_parser
 from payhook.db import Row, create_pool
 from payhook.gateways import get_gateway
 from payhook.operations import NotRequeueable, requeue_dead_letter
 from payhook.queue import APPLY_EVENT, enqueue_event, events_queue
 from payhook.settings import Settings
 from tests.factories import Factory, Shop, StandardEvent
+from tests.processes import run_cli
 
 
 def run(settings: Settings, *argv: str) -> tuple[int, str]:
@@ -287,10 +288,7 @@ def plant_pickled_job(redis_conn: Redis, queue: Queue, marker: Path) -> str:
 
 
 def test_bad_input_is_a_clear_error_with_exit_2_never_a_traceback(
-    factory: Factory,
-    settings: Settings,
-    monkeypatch: pytest.MonkeyPatch,
-    capsys: pytest.CaptureFixture[str],
+    factory: Factory, settings: Settings
 ) -> None:
     shop = factory.shop()
     with socket.socket() as unused:
@@ -319,15 +317,10 @@ def test_bad_input_is_a_clear_error_with_exit_2_never_a_traceback(
     ]  # fmt: skip
     try:
         for argv, env, message in cases:
-            with monkeypatch.context() as patched:
-                patched.setenv("DATABASE_URL", str(settings.database_url))
-                patched.setenv("REDIS_URL", str(settings.redis_url))
-                for name, value in env.items():
-                    patched.setenv(name, value)
-                assert main(argv) == 2, argv
-            err = capsys.readouterr().err
-            assert message in err, (argv, err)
-            assert "Traceback" not in err
+            done = run_cli(settings, *argv, **env)
+            assert done.returncode == 2, (argv, done.stderr)
+            assert message in done.stderr, (argv, done.stderr)
+            assert "Traceback" not in done.stderr
     finally:
         with psycopg.connect(settings.database_url.rsplit("/", 1)[0] + "/postgres") as admin:
             admin.autocommit = True
