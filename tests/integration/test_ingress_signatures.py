@@ -9,7 +9,7 @@ import asyncio
 import base64
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import AsyncExitStack, contextmanager
 from datetime import UTC, datetime
 
@@ -58,7 +58,7 @@ class Harness:
         ingress: Ingress = self.app.state.ingress
         return ingress
 
-    async def post(self, endpoint_id: str, body: bytes, headers: dict[str, str]) -> int:
+    async def post(self, endpoint_id: str, body: bytes, headers: Mapping[str, str | bytes]) -> int:
         response = await self.client.post(f"/webhooks/{endpoint_id}", content=body, headers=headers)
         return response.status_code
 
@@ -247,10 +247,18 @@ header_names = st.sampled_from(
 )
 
 
-def near_miss_headers(data: st.DataObject, shop: Shop, body: bytes) -> dict[str, str]:
+#: Bytes a header value can carry over HTTP/1.1: anything but CR, LF and NUL.
+header_bytes = st.binary(min_size=1, max_size=44).filter(
+    lambda value: not any(c in value for c in b"\r\n\x00")
+)
+
+
+def near_miss_headers(data: st.DataObject, shop: Shop, body: bytes) -> dict[str, str | bytes]:
     """Headers one step from authentic: right shape, something wrong."""
     now = int(time.time())
-    mistake = data.draw(st.sampled_from(["secret", "body", "timestamp", "garbage", "scheme"]))
+    mistake = data.draw(
+        st.sampled_from(["secret", "body", "timestamp", "garbage", "scheme", "bytes"])
+    )
     secret = shop.secret
     signed_body = body
     timestamp = now
@@ -271,13 +279,18 @@ def near_miss_headers(data: st.DataObject, shop: Shop, body: bytes) -> dict[str,
         return {
             "webhook-id": event_id,
             "webhook-timestamp": str(timestamp),
-            "webhook-signature": signature,
+            # Header values are bytes: any of them, not only base64, after the scheme.
+            "webhook-signature": b"v1," + data.draw(header_bytes)
+            if mistake == "bytes"
+            else signature,
         }
     header = stripe_gateway.sign(secret, timestamp, signed_body)
     if mistake == "garbage":
         header = f"t={timestamp},v1={data.draw(st.binary(min_size=32, max_size=32)).hex()}"
     elif mistake == "scheme":
         header = header.replace("v1=", "v0=")
+    elif mistake == "bytes":
+        return {"stripe-signature": b"t=%d,v1=" % timestamp + data.draw(header_bytes)}
     return {"stripe-signature": header}
 
 
