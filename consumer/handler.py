@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import signal
@@ -21,6 +20,7 @@ from payhook.db import Pool, Row, execute
 from payhook.envelope import Envelope, MalformedJob, NewerEnvelope
 from payhook.errors import MalformedEvent, SignatureError, SignatureMismatch
 from payhook.gateways import Event, Gateway, get_gateway
+from payhook.gateways.base import raw_digest
 from payhook.horizon import receipt_horizon
 from payhook.settings import Settings
 
@@ -157,7 +157,7 @@ def _anomaly(
         "delivery_id": envelope.delivery_id if envelope else None,
         "kind": kind,
         "stored_sha256": None,
-        "received_sha256": hashlib.sha256(envelope.body).hexdigest() if envelope else None,
+        "received_sha256": raw_digest(envelope.body) if envelope else None,
     }
     if conn is not None:
         with conn.transaction():

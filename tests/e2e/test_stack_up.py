@@ -165,7 +165,8 @@ def test_newcomer_runs_up_sends_a_payment_and_stops_everything(workdir: Path) ->
 def test_up_uses_the_configured_services_and_stops_all_when_a_child_dies(
     settings: Settings, tmp_path: Path
 ) -> None:
-    env = process_env(settings)
+    password = f"operators-own-{os.getpid()}"
+    env = process_env(settings, PAYHOOK_DASHBOARD_PASSWORD=password)
     up, log = start_up(
         ["--port", str(free_port()), "--dashboard-port", str(free_port()), "--consumers", "1"],
         env,
@@ -173,6 +174,9 @@ def test_up_uses_the_configured_services_and_stops_all_when_a_child_dies(
     )
     try:
         text = wait_for_banner(up, log)
+        # A password the operator set is theirs to know: never printed.
+        assert "password from PAYHOOK_DASHBOARD_PASSWORD" in text
+        assert password not in text
         assert f"PostgreSQL: DATABASE_URL ({settings.database_url})" in text
         assert f"Redis: REDIS_URL ({settings.redis_url})" in text
         assert not (tmp_path / ".payhook").exists()

@@ -34,6 +34,7 @@ from payhook.gateways import get_gateway
 from payhook.operations import NotRequeueable, requeue_dead_letter
 from payhook.queue import APPLY_EVENT, enqueue_event, events_queue
 from payhook.settings import Settings
+from tests.conftest import PG_SERVER
 from tests.factories import Factory, Shop, StandardEvent
 from tests.processes import run_cli
 
@@ -295,8 +296,7 @@ def test_bad_input_is_a_clear_error_with_exit_2_never_a_traceback(
         unused.bind(("127.0.0.1", 0))
         closed_port = unused.getsockname()[1]
     empty = f"payhook_test_empty_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(settings.database_url.rsplit("/", 1)[0] + "/postgres") as admin:
-        admin.autocommit = True
+    with psycopg.connect(f"{PG_SERVER}/postgres", autocommit=True) as admin:
         admin.execute(f'CREATE DATABASE "{empty}"')
     order = ["orders", "add", "--tenant", shop.tenant_id, "--currency", "EUR"]
     cases: list[tuple[list[str], dict[str, str], str]] = [
@@ -312,8 +312,7 @@ def test_bad_input_is_a_clear_error_with_exit_2_never_a_traceback(
          "payhook: error: Redis:"),
         (["uniqueness", "check", "--table", "payhook.x", "--columns", " , ", "--rule", "r"], {},
          "--columns: name at least one column"),
-        (["exceptions", "list"], {"DATABASE_URL": settings.database_url.rsplit("/", 1)[0]
-                                  + "/" + empty}, "run `payhook migrate`"),
+        (["exceptions", "list"], {"DATABASE_URL": f"{PG_SERVER}/{empty}"}, "run `payhook migrate`"),
     ]  # fmt: skip
     try:
         for argv, env, message in cases:
@@ -322,6 +321,5 @@ def test_bad_input_is_a_clear_error_with_exit_2_never_a_traceback(
             assert message in done.stderr, (argv, done.stderr)
             assert "Traceback" not in done.stderr
     finally:
-        with psycopg.connect(settings.database_url.rsplit("/", 1)[0] + "/postgres") as admin:
-            admin.autocommit = True
+        with psycopg.connect(f"{PG_SERVER}/postgres", autocommit=True) as admin:
             admin.execute(f'DROP DATABASE IF EXISTS "{empty}" WITH (FORCE)')
