@@ -29,7 +29,7 @@ from payhook.errors import NotFound, PayhookError
 from payhook.gateways import Event
 
 #: Outcomes after which the event is accounted for and its exception closes.
-RESOLVING_OUTCOMES = frozenset({"applied", "already_applied"})
+RESOLVING_OUTCOMES = frozenset({"applied", "already_applied", "superseded"})
 
 
 class NotReplayable(PayhookError):

@@ -26,11 +26,11 @@ EXCEPTION_OUTCOMES = frozenset(
     }
 )
 
-#: The side effect each new state asks the outbox worker to perform.
+#: The side effect an applied event of each kind asks the outbox worker to
+#: perform (a refund of a disputed order moves no state, and still notifies).
 ACTIONS = {
-    "paid": "fulfil_order",
+    "succeeded": "fulfil_order",
     "failed": "notify_payment_failed",
-    "partially_refunded": "notify_refund",
     "refunded": "notify_refund",
     "disputed": "notify_dispute",
 }
@@ -58,10 +58,7 @@ class Decision:
     to_state: str | None = None
     refunded_minor: int | None = None
     detail: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def action(self) -> str | None:
-        return ACTIONS.get(self.to_state) if self.to_state else None
+    action: str | None = None
 
     @property
     def is_exception(self) -> bool:
@@ -111,33 +108,41 @@ def _succeeded(amount: int, order: Order) -> Decision:
         return Decision("already_applied", detail={"state": order.state})
     if amount != order.amount_minor:
         return _amount_mismatch(order, amount)
-    return Decision("applied", to_state="paid", refunded_minor=order.refunded_minor)
+    return _applied("succeeded", "paid", order.refunded_minor)
 
 
 def _failed(amount: int, order: Order) -> Decision:
     if order.state == "failed":
         return Decision("already_applied", detail={"state": order.state})
+    if order.state in _CAPTURED:
+        # A failed attempt delivered after the payment that succeeded: gateways
+        # do not promise order, and the failure changes nothing now.
+        return Decision("superseded", detail={"state": order.state})
     if order.state != "pending":
         return _invalid(order, "failed")
     if amount != order.amount_minor:
         return _amount_mismatch(order, amount)
-    return Decision("applied", to_state="failed", refunded_minor=order.refunded_minor)
+    return _applied("failed", "failed", order.refunded_minor)
 
 
 def _refunded(event: Event, order: Order) -> Decision:
     assert event.amount_minor is not None
     if event.cumulative:
         total = event.amount_minor
-        if order.state in {"partially_refunded", "refunded"} and total <= order.refunded_minor:
+        if order.refunded_minor and total <= order.refunded_minor:
             return Decision("already_applied", detail={"state": order.state})
     else:
         total = order.refunded_minor + event.amount_minor
-    if order.state not in {"paid", "partially_refunded"}:
+    if order.state not in {"paid", "partially_refunded", "disputed"}:
         return _invalid(order, "refunded")
     if total > order.amount_minor or total <= order.refunded_minor:
         return _amount_mismatch(order, event.amount_minor, refunded=order.refunded_minor)
+    if order.state == "disputed":
+        # A refund made before the dispute and delivered after it: the money
+        # went back all the same. The order stays disputed; the refund counts.
+        return _applied("refunded", "disputed", total)
     to_state = "refunded" if total == order.amount_minor else "partially_refunded"
-    return Decision("applied", to_state=to_state, refunded_minor=total)
+    return _applied("refunded", to_state, total)
 
 
 def _disputed(amount: int, order: Order) -> Decision:
@@ -147,7 +152,13 @@ def _disputed(amount: int, order: Order) -> Decision:
         return _invalid(order, "disputed")
     if amount > order.amount_minor or amount <= 0:
         return _amount_mismatch(order, amount)
-    return Decision("applied", to_state="disputed", refunded_minor=order.refunded_minor)
+    return _applied("disputed", "disputed", order.refunded_minor)
+
+
+def _applied(kind: str, to_state: str, refunded_minor: int) -> Decision:
+    return Decision(
+        "applied", to_state=to_state, refunded_minor=refunded_minor, action=ACTIONS[kind]
+    )
 
 
 def _amount_mismatch(order: Order, received: int, **extra: int) -> Decision:

@@ -188,3 +188,42 @@ def test_an_event_beyond_the_horizon_is_never_replayed(
         replay_exception(conn, ancient.exception_id)
     assert factory.order_state(shop, order_id) == "pending"
     assert is_open(factory, ancient.exception_id)
+
+
+def test_replay_settles_what_earlier_releases_refused_out_of_order(
+    conn: psycopg.Connection[Row], factory: Factory
+) -> None:
+    """Earlier releases kept a refund delivered after its order's dispute, and
+    a failed attempt delivered after the payment, as exceptions: a replay now
+    applies the refund to the disputed order and closes the failure."""
+    shop = factory.shop()
+    order_id = factory.order(shop)
+    refund = StandardEvent(type="payment.refunded", amount=500)
+    failure = StandardEvent(type="payment.failed", amount=1)
+    refused = apply(conn, shop, refund)
+    mismatched = apply(conn, shop, failure)
+    assert (refused.outcome, mismatched.outcome) == ("invalid_transition", "amount_mismatch")
+    assert refused.exception_id is not None and mismatched.exception_id is not None
+
+    # The order was paid, then disputed, while the two waited as exceptions.
+    factory.conn.execute(
+        "UPDATE payhook.payment_orders SET state = 'disputed' WHERE id = %s", (order_id,)
+    )
+    replayed = replay_exception(conn, refused.exception_id)
+    assert (replayed.outcome, replayed.to_state, replayed.action) == (
+        "applied",
+        "disputed",
+        "notify_refund",
+    )
+    settled = replay_exception(conn, mismatched.exception_id)
+    assert (settled.outcome, settled.resolved, settled.to_state) == ("superseded", True, None)
+
+    assert not is_open(factory, refused.exception_id)
+    assert not is_open(factory, mismatched.exception_id)
+    assert receipt_outcome(factory, shop, refund.event_id) == "applied"
+    assert receipt_outcome(factory, shop, failure.event_id) == "superseded"
+    order = factory.conn.execute(
+        "SELECT state, refunded_minor FROM payhook.payment_orders WHERE id = %s", (order_id,)
+    ).fetchone()
+    assert order == {"state": "disputed", "refunded_minor": 500}
+    assert factory.count("payment_outbox", order_id=order_id, action="notify_refund") == 1

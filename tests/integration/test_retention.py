@@ -124,7 +124,7 @@ def test_dry_run_counts_what_would_go_and_changes_nothing(
     event = StandardEvent()
     deliver(runtime, factory, shop, event)
     # Old too, but its exception is open: it stays live, and is not counted.
-    mismatch = StandardEvent(amount=1, type="payment.failed")
+    mismatch = StandardEvent(amount=5000, type="payment.refunded")  # over-refund
     deliver(runtime, factory, shop, mismatch)
     assert factory.count("payment_exceptions") == 1
     age_receipts(factory.conn, 500, event.event_id, mismatch.event_id)
@@ -379,8 +379,8 @@ def test_delivered_outbox_resolved_exceptions_and_anomalies_follow_their_own_ret
         StandardEvent(
             gateway_order_id=f"pi_{i}",
             merchant_reference=f"order-{i}",
-            amount=1,
-            type="payment.failed",
+            amount=5000,
+            type="payment.refunded",
         )
         for i in range(3)
     ]

@@ -110,9 +110,8 @@ def test_a_transition_whose_order_did_not_move_fails_the_transaction(
     }
     with pytest.raises(psycopg.errors.NotNullViolation), conn.transaction():
         execute(conn, "insert_receipt", receipt)
-        write_transition(
-            conn, endpoint, parsed, stale, Decision("applied", to_state="paid", refunded_minor=0)
-        )
+        decision = Decision("applied", to_state="paid", refunded_minor=0, action="fulfil_order")
+        write_transition(conn, endpoint, parsed, stale, decision)
     assert factory.order_state(shop, order_id) == "pending"
     assert factory.count("payment_event_receipts") == 0
     assert factory.count("payment_outbox", order_id=order_id) == 0
@@ -366,6 +365,57 @@ def test_refund_before_payment_is_an_exception_not_dropped(
     assert factory.order_state(shop, order_id) == "partially_refunded"
     assert factory.count("payment_exceptions", kind="invalid_transition") == 1
     assert factory.count("payment_outbox", action="notify_refund") == 1
+
+
+def test_events_delivered_out_of_order_are_applied_as_they_happened(
+    runtime: Runtime, factory: Factory
+) -> None:
+    """Stripe does not promise order. A refund made before a dispute and
+    delivered after it still counts (once, however often it comes); a failed
+    attempt delivered after the payment that succeeded changes nothing and
+    opens no exception."""
+    shop = factory.shop("stripe")
+    order_id = factory.order(shop)
+
+    def deliver(body: bytes) -> str:
+        job = envelope(shop, body, stripe_headers(shop.secret, body))
+        return handle(runtime, job.to_json()).outcome
+
+    refund = stripe_body("charge.refunded", amount=500)
+    sequence = [
+        stripe_body(),
+        stripe_body("payment_intent.payment_failed"),
+        stripe_body("charge.dispute.created", amount=1499),
+        refund,
+        refund,
+    ]
+    outcomes = [deliver(body) for body in sequence]
+    assert outcomes == ["applied", "superseded", "applied", "applied", "duplicate"]
+    order = factory.conn.execute(
+        "SELECT state, refunded_minor FROM payhook.payment_orders WHERE id = %s", (order_id,)
+    ).fetchone()
+    assert order == {"state": "disputed", "refunded_minor": 500}
+    outbox = factory.conn.execute(
+        "SELECT action, payload FROM payhook.payment_outbox WHERE order_id = %s"
+        " ORDER BY created_at",
+        (order_id,),
+    ).fetchall()
+    assert [row["action"] for row in outbox] == ["fulfil_order", "notify_dispute", "notify_refund"]
+    assert (outbox[-1]["payload"]["amount_minor"], outbox[-1]["payload"]["state"]) == (
+        500,
+        "disputed",
+    )
+    transitions = factory.conn.execute(
+        "SELECT from_state, to_state, amount_minor FROM payhook.payment_order_transitions"
+        " WHERE order_id = %s ORDER BY id",
+        (order_id,),
+    ).fetchall()
+    assert [tuple(row.values()) for row in transitions] == [
+        ("pending", "paid", 1999),
+        ("paid", "disputed", 1499),
+        ("disputed", "disputed", 500),
+    ]
+    assert factory.count("payment_exceptions") == 0
 
 
 def test_each_refund_notification_carries_that_refund_whatever_the_gateway_reports(

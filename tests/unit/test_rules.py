@@ -35,12 +35,17 @@ def event(kind: str | None = "succeeded", amount: int = 1000, **kw: object) -> E
         ("succeeded", "pending", 999, "amount_mismatch", None),
         ("succeeded", "paid", 1000, "already_applied", None),
         ("failed", "pending", 1000, "applied", "failed"),
-        ("failed", "paid", 1000, "invalid_transition", None),
+        ("failed", "paid", 1000, "superseded", None),
+        ("failed", "partially_refunded", 1000, "superseded", None),
+        ("failed", "refunded", 1000, "superseded", None),
+        ("failed", "disputed", 1000, "superseded", None),
         ("failed", "failed", 1000, "already_applied", None),
         ("refunded", "paid", 400, "applied", "partially_refunded"),
         ("refunded", "paid", 1000, "applied", "refunded"),
         ("refunded", "paid", 1001, "amount_mismatch", None),
         ("refunded", "pending", 1000, "invalid_transition", None),
+        ("refunded", "failed", 1000, "invalid_transition", None),
+        ("refunded", "disputed", 400, "applied", "disputed"),
         ("disputed", "paid", 1000, "applied", "disputed"),
         ("disputed", "pending", 1000, "invalid_transition", None),
         ("disputed", "disputed", 1000, "already_applied", None),
@@ -93,3 +98,36 @@ def test_paid_asks_for_fulfilment() -> None:
     decision = decide(event(), [order()])
     assert decision.action == "fulfil_order" and not decision.is_exception
     assert decide(event(amount=1), [order()]).is_exception
+
+
+def test_each_applied_kind_asks_for_its_side_effect() -> None:
+    cases = [
+        (event("succeeded"), order("pending"), "fulfil_order"),
+        (event("failed"), order("pending"), "notify_payment_failed"),
+        (event("refunded", 400), order("paid"), "notify_refund"),
+        (event("refunded", 400), order("disputed"), "notify_refund"),
+        (event("disputed"), order("partially_refunded", refunded=400), "notify_dispute"),
+    ]
+    for sent, current, action in cases:
+        decision = decide(sent, [current])
+        assert (decision.outcome, decision.action) == ("applied", action), (sent, current)
+    assert decide(event("failed"), [order("paid")]).action is None
+
+
+def test_a_refund_delivered_after_the_dispute_still_counts() -> None:
+    """Refunded before the dispute, delivered after it: the order stays
+    disputed and the refund is recorded, once (Stripe's total repeats)."""
+    stripe_total = event("refunded", 400, cumulative=True)
+    first = decide(stripe_total, [order("disputed")])
+    assert (first.outcome, first.to_state, first.refunded_minor, first.action) == (
+        "applied",
+        "disputed",
+        400,
+        "notify_refund",
+    )
+    again = decide(stripe_total, [order("disputed", refunded=400)])
+    assert again.outcome == "already_applied"
+    more = decide(event("refunded", 1000, cumulative=True), [order("disputed", refunded=400)])
+    assert (more.to_state, more.refunded_minor) == ("disputed", 1000)
+    standard = decide(event("refunded", 700), [order("disputed", refunded=400)])
+    assert standard.outcome == "amount_mismatch"
