@@ -33,6 +33,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
+from redis.maint_notifications import MaintNotificationsConfig
 
 from ingress.jobs import JobTemplate, PackedJob, pack_jobs
 from payhook.envelope import Envelope
@@ -218,6 +219,13 @@ class Enqueuer:
             "socket_connect_timeout": settings.enqueue_timeout,
             # Never resend on our own: a resent job could be written twice.
             "retry": Retry(NoBackoff(), 0),
+            # redis-py speaks RESP3 and, with maintenance notifications on (its
+            # default there), hands out a pooled connection without checking
+            # that the server has not closed it: after Redis dropped an idle
+            # client (its `timeout`, a restart, a proxy's idle limit) the next
+            # batch would fail with a 503. Off, the pool finds the closed
+            # socket before anything is sent and connects anew.
+            "maint_notifications_config": MaintNotificationsConfig(enabled=False),
         }
         self.writer = JobWriter(
             ConnectionPool.from_url(settings.redis_url, max_connections=1, **options),

@@ -6,6 +6,7 @@ here means "a worker applies it".
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import uuid
@@ -343,6 +344,30 @@ async def test_unreachable_redis_is_503_with_retry_after(
             assert response.json() == {"error": "unavailable"}
         ready = await harness.client.get("/readyz")
         assert ready.status_code == 503 and ready.json()["redis"] is False
+
+
+async def test_a_connection_redis_closed_while_idle_is_replaced_not_a_503(
+    harness: Harness, factory: Factory
+) -> None:
+    """Redis drops idle clients (its `timeout`, a restart, a proxy's idle
+    limit): the next request must get a fresh connection, not a 503 from the
+    dead one, and the probes likewise."""
+    shop = factory.shop()
+    await refresh(harness)
+
+    async def accepted() -> int:
+        event = StandardEvent()
+        response = await harness.post(shop.endpoint_id, event.body(), event.headers(shop.secret))
+        return response.status_code
+
+    assert await accepted() == 202
+    assert (await harness.client.get("/readyz")).json()["redis"] is True
+    killed = harness.redis.client_kill_filter(_type="normal", skipme=True)
+    assert killed >= 2, "the writer's and the probe's connections"
+    await asyncio.sleep(0.2)
+    assert [await accepted() for _ in range(3)] == [202, 202, 202]
+    assert (await harness.client.get("/readyz")).json()["redis"] is True
+    assert len(harness.jobs()) == 4
 
 
 async def test_endpoints_never_loaded_are_503_not_404(
