@@ -26,7 +26,10 @@ from typing import Any
 import psycopg
 import structlog
 
+from payhook.alerts import AlertConfig
 from payhook.db import Row, connect, fetch_one
+from payhook.errors import SettingsError
+from payhook.horizon import describe
 from payhook.queries import query
 from payhook.settings import Settings
 
@@ -65,6 +68,18 @@ def retention_seconds(settings: Settings) -> dict[str, float]:
     }
 
 
+def _check_anomaly_retention(settings: Settings) -> None:
+    """An anomaly keeps its alert on for `PAYHOOK_ALERT_WINDOW`: deleting it
+    sooner would silence the alert, so such a setting stops the run."""
+    window = AlertConfig.from_settings(settings).window
+    if settings.anomaly_retention < window:
+        raise SettingsError(
+            f"PAYHOOK_ANOMALY_RETENTION: {describe(settings.anomaly_retention)} is shorter than "
+            f"PAYHOOK_ALERT_WINDOW ({describe(window)}): anomalies would be deleted while their "
+            f"alert is due; use at least {describe(window)}"
+        )
+
+
 def _horizons(now: datetime, retentions: dict[str, float]) -> dict[str, str]:
     """The cutoffs of the database's `now`, in UTC."""
     now = now.astimezone(UTC)
@@ -75,6 +90,7 @@ def run_retention(
     conn: psycopg.Connection[Row], settings: Settings, *, dry_run: bool = False
 ) -> RetentionRun:
     """Archive old receipts and delete old bookkeeping, batch by batch."""
+    _check_anomaly_retention(settings)
     retentions = retention_seconds(settings)
     if dry_run:
         counts = fetch_one(conn, "count_expired", retentions)

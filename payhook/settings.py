@@ -44,6 +44,25 @@ def parse_duration(name: str, raw: str) -> float:
     return float(match.group(1)) * _UNITS[match.group(2)]
 
 
+#: Duration settings: attribute, variable and the least value that makes sense.
+#: Zero would reload the endpoint table in a loop, refuse every webhook with a
+#: 503, or delete rows (and with them alerts) as soon as they are written.
+DURATIONS: dict[str, tuple[str, float]] = {
+    "endpoint_refresh": ("PAYHOOK_ENDPOINT_REFRESH", 0.1),
+    "enqueue_timeout": ("PAYHOOK_ENQUEUE_TIMEOUT", 0.01),
+    "result_ttl": ("PAYHOOK_RESULT_TTL", 1.0),
+    "outbox_sla": ("PAYHOOK_OUTBOX_SLA", 1.0),
+    "receipt_retention": ("PAYHOOK_RECEIPT_RETENTION", 0.0),  # checked against the horizon
+    "outbox_retention": ("PAYHOOK_OUTBOX_RETENTION", 3600.0),
+    "exception_retention": ("PAYHOOK_EXCEPTION_RETENTION", 3600.0),
+    "anomaly_retention": ("PAYHOOK_ANOMALY_RETENTION", 3600.0),
+}
+
+
+def _seconds(value: float) -> str:
+    return f"{value * 1000:g}ms" if value < 1 else describe(value)
+
+
 @dataclass(frozen=True)
 class Settings:
     """Everything a payhook process reads from its environment."""
@@ -121,21 +140,11 @@ class Settings:
         for attr, name in ints.items():
             if name in environ:
                 values[attr] = positive_int(name, environ[name])
-        durations = {
-            "endpoint_refresh": "PAYHOOK_ENDPOINT_REFRESH",
-            "enqueue_timeout": "PAYHOOK_ENQUEUE_TIMEOUT",
-            "result_ttl": "PAYHOOK_RESULT_TTL",
-            "outbox_sla": "PAYHOOK_OUTBOX_SLA",
-            "receipt_retention": "PAYHOOK_RECEIPT_RETENTION",
-            "outbox_retention": "PAYHOOK_OUTBOX_RETENTION",
-            "exception_retention": "PAYHOOK_EXCEPTION_RETENTION",
-            "anomaly_retention": "PAYHOOK_ANOMALY_RETENTION",
-        }
-        for attr, name in durations.items():
+        for attr, (name, minimum) in DURATIONS.items():
             if name in environ:
                 values[attr] = parse_duration(name, environ[name])
-        if values.get("result_ttl", 1) < 1:
-            raise SettingsError("PAYHOOK_RESULT_TTL: expected at least 1s")
+                if values[attr] < minimum:
+                    raise SettingsError(f"{name}: expected at least {_seconds(minimum)}")
         if "receipt_retention" in values:
             _check_receipt_retention(values["receipt_retention"])
         if "PAYHOOK_JOB_RETRY_INTERVALS" in environ:

@@ -16,6 +16,7 @@ from redis import Redis
 
 from consumer.handler import Runtime, handle
 from payhook.db import Row, connect, create_pool
+from payhook.errors import SettingsError
 from payhook.operations import format_trace, trace_event
 from payhook.queries import query
 from payhook.retention import retention_seconds, run_retention
@@ -498,3 +499,25 @@ def test_the_configured_retention_sets_the_horizon(
         handle(shorter, factory.standard_envelope(shop, old).to_json()).outcome == "beyond_horizon"
     )
     assert handle(shorter, factory.standard_envelope(shop, recent).to_json()).outcome == "applied"
+
+
+def test_anomalies_are_never_deleted_while_their_alert_is_due(
+    factory: Factory, database: str
+) -> None:
+    """A digest conflict keeps its alert on for PAYHOOK_ALERT_WINDOW: a
+    retention shorter than that would silence it, so the run refuses."""
+    conn = factory.conn
+    conn.execute(
+        "INSERT INTO payhook.security_anomalies (kind, detected_at)"
+        " VALUES ('digest_conflict', now() - interval '2 hours')"
+    )
+    short = test_settings(database, PAYHOOK_ANOMALY_RETENTION="1h")
+    with pytest.raises(SettingsError, match=r"^PAYHOOK_ANOMALY_RETENTION: 1h is shorter than"):
+        run_retention(conn, short)
+    assert factory.count("security_anomalies") == 1
+    cli = run_cli(short, "retention", "run", PAYHOOK_ANOMALY_RETENTION="1h")
+    assert cli.returncode == 2 and "PAYHOOK_ALERT_WINDOW (1d)" in cli.stderr
+    assert factory.count("security_anomalies") == 1
+
+    narrow = test_settings(database, PAYHOOK_ANOMALY_RETENTION="1h", PAYHOOK_ALERT_WINDOW="30m")
+    assert run_retention(conn, narrow).anomalies_deleted == 1

@@ -61,6 +61,28 @@ def test_other_retentions_parse_durations_and_name_themselves_when_bad(
         Settings.from_env({name: "a while"})
 
 
+@pytest.mark.parametrize(
+    ("name", "too_short", "least"),
+    [
+        ("PAYHOOK_ENDPOINT_REFRESH", "0", "0.1s"),
+        ("PAYHOOK_ENQUEUE_TIMEOUT", "0s", "10ms"),
+        ("PAYHOOK_RESULT_TTL", "0.5", "1s"),
+        ("PAYHOOK_OUTBOX_SLA", "0", "1s"),
+        ("PAYHOOK_OUTBOX_RETENTION", "0", "1h"),
+        ("PAYHOOK_EXCEPTION_RETENTION", "59m", "1h"),
+        ("PAYHOOK_ANOMALY_RETENTION", "0d", "1h"),
+    ],
+)
+def test_durations_that_make_no_sense_are_refused_by_name(
+    name: str, too_short: str, least: str
+) -> None:
+    """Zero would reload the endpoint table in a loop, answer every webhook
+    503, or delete rows (and their alerts) as soon as they are written."""
+    with pytest.raises(SettingsError, match=f"^{name}: expected at least"):
+        Settings.from_env({name: too_short})
+    Settings.from_env({name: least})
+
+
 def test_retention_batch_must_be_a_positive_number() -> None:
     assert Settings.from_env({"PAYHOOK_RETENTION_BATCH": "50"}).retention_batch == 50
     with pytest.raises(SettingsError, match=r"^PAYHOOK_RETENTION_BATCH:"):
