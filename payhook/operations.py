@@ -27,7 +27,7 @@ from typing import Any, TextIO
 
 import psycopg
 from redis import Redis
-from redis.exceptions import WatchError
+from redis.exceptions import RedisError, WatchError
 from rq import Queue
 from rq.exceptions import DeserializationError, NoSuchJobError
 from rq.job import Job
@@ -179,8 +179,22 @@ def list_dead_letters(redis: Redis, settings: Settings, limit: int = 50) -> list
     registry = FailedJobRegistry(queue=events_queue(redis, settings))
     ids = registry.get_job_ids(0, _limit(limit) - 1, cleanup=False)
     jobs: list[dict[str, Any]] = []
-    for job in Job.fetch_many(ids, connection=redis, serializer=JSONSerializer):
-        if job is None:
+    for job_id in ids:
+        try:
+            job = _fetch(redis, job_id)
+        except NotFound:
+            continue
+        except NotRequeueable as exc:
+            jobs.append(
+                {
+                    "id": job_id,
+                    "function": None,
+                    "description": None,
+                    "enqueued_at": None,
+                    "ended_at": None,
+                    "error": f"unreadable job: {exc}",
+                }
+            )
             continue
         result = job.latest_result()
         error = (result.exc_string or "").strip().splitlines() if result else []
@@ -201,10 +215,7 @@ def requeue_dead_letter(redis: Redis, settings: Settings, job_id: str) -> Job:
     """Move one dead-letter job back onto the events queue with a fresh retry budget."""
     queue = events_queue(redis, settings)
     registry = FailedJobRegistry(queue=queue)
-    try:
-        job = Job.fetch(job_id, connection=redis, serializer=JSONSerializer)
-    except NoSuchJobError:
-        raise NotFound(f"no job {job_id}") from None
+    job = _fetch(redis, job_id)
     if job.origin != queue.name:
         raise NotRequeueable(f"job {job_id} belongs to queue {job.origin!r}, not {queue.name!r}")
     if not _readable(job) or job.func_name != APPLY_EVENT:
@@ -213,6 +224,24 @@ def requeue_dead_letter(redis: Redis, settings: Settings, job_id: str) -> Job:
     job.retries_left = len(intervals)
     job.retry_intervals = intervals
     return _requeue(registry, queue, job)
+
+
+def _fetch(redis: Redis, job_id: str) -> Job:
+    """The job `job_id`: `NotFound` if there is none, `NotRequeueable` if RQ
+    cannot read its hash (forged or damaged: one such job must not stop an
+    operator from listing or requeuing the others)."""
+    try:
+        return Job.fetch(job_id, connection=redis, serializer=JSONSerializer)
+    except NoSuchJobError as exc:
+        if redis.exists(Job.key_for(job_id)):
+            raise NotRequeueable(f"job {job_id} cannot be read: {exc}") from None
+        raise NotFound(f"no job {job_id}") from None
+    except RedisError:
+        raise
+    except Exception as exc:  # whatever a malformed field raises in RQ
+        raise NotRequeueable(
+            f"job {job_id} cannot be read ({exc.__class__.__name__}: {exc})"
+        ) from None
 
 
 def _requeue(registry: FailedJobRegistry, queue: Queue, job: Job) -> Job:
@@ -234,6 +263,10 @@ def _requeue(registry: FailedJobRegistry, queue: Queue, job: Job) -> Job:
                 pipe.multi()
                 pipe.zrem(registry.key, job.id)
                 queue.enqueue_job(job, pipeline=pipe)
+                # The job key kept the dead-letter queue's expiry (30 days from
+                # the failure), which enqueueing leaves alone: a job waiting on
+                # the queue must not expire there.
+                pipe.persist(job.key)
                 pipe.execute()
                 return job
             except WatchError:

@@ -7,6 +7,7 @@ import json
 import pickle
 import socket
 import threading
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -187,6 +188,56 @@ def test_a_requeue_cut_off_midway_leaves_the_job_in_the_dead_letter_queue(
     with pytest.raises(NotRequeueable, match="not in the dead-letter queue"):
         requeue_dead_letter(redis_conn, settings, job.id)
     assert queue.get_job_ids() == [job.id]
+
+
+def test_a_requeued_job_loses_the_dead_letter_expiry(
+    factory: Factory, settings: Settings, redis_conn: Redis
+) -> None:
+    """A failed job expires with the dead-letter queue's 30 days; requeued, it
+    must wait on the queue however long the consumers take, not vanish from
+    it when those 30 days run out."""
+    shop = factory.shop()
+    queue = events_queue(redis_conn, settings)
+    envelope = factory.standard_envelope(shop, StandardEvent())
+    job = dead_letter(redis_conn, queue, enqueue_event(queue, envelope, settings))
+    assert redis_conn.ttl(job.key) > 0
+    redis_conn.expire(job.key, 30)  # as if failed almost 30 days ago
+
+    requeue_dead_letter(redis_conn, settings, job.id)
+
+    assert redis_conn.ttl(job.key) == -1, "the job key must not expire while queued"
+    assert queue.get_job_ids() == [job.id]
+
+
+def test_an_unreadable_job_in_the_dead_letter_queue_stops_nothing(
+    factory: Factory, settings: Settings, redis_conn: Redis
+) -> None:
+    """A job hash RQ cannot read (forged or damaged) is listed and refused;
+    `requeue --all` still requeues every good job beside it."""
+    shop = factory.shop()
+    queue = events_queue(redis_conn, settings)
+    good = dead_letter(
+        redis_conn,
+        queue,
+        enqueue_event(queue, factory.standard_envelope(shop, StandardEvent()), settings),
+    )
+    registry = FailedJobRegistry(queue=queue)
+    damaged = redis_conn.hgetall(good.key) | {b"created_at": b"not a date"}
+    redis_conn.hset("rq:job:bad-date", mapping=damaged)  # type: ignore[arg-type]
+    redis_conn.zadd(registry.key, {"bad-date": time.time() + 86400})
+
+    status, text = run(settings, "dlq", "list")
+    listed = {row["id"]: row for row in lines(text)}
+    assert status == 0 and set(listed) == {"bad-date", good.id}
+    assert listed["bad-date"]["function"] is None
+    assert listed["bad-date"]["error"].startswith("unreadable job")
+
+    status, text = run(settings, "dlq", "requeue", "bad-date")
+    assert status == 1 and "cannot be read" in lines(text)[0]["reason"]
+    status, text = run(settings, "dlq", "requeue", "--all")
+    assert (status, json.loads(text)) == (1, {"requeued": [good.id], "refused": ["bad-date"]})
+    assert queue.get_job_ids() == [good.id]
+    assert registry.get_job_ids() == ["bad-date"]
 
 
 def test_two_requeues_of_one_job_at_once_put_it_on_the_queue_once(
