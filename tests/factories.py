@@ -74,10 +74,20 @@ def stripe_body(
     amount: int = 1999,
     currency: str = "eur",
     pending_webhooks: int = 1,
+    received: int | None = None,
 ) -> bytes:
+    """A Stripe event; `received` is a PaymentIntent's `amount_received` (by
+    default all of `amount` when it succeeded, nothing when it failed)."""
     metadata = {"order_id": order_ref} if order_ref else {}
     if event_type.startswith("payment_intent."):
-        obj: dict[str, Any] = {"id": payment_intent, "object": "payment_intent", "amount": amount}
+        if received is None:
+            received = amount if event_type == "payment_intent.succeeded" else 0
+        obj: dict[str, Any] = {
+            "id": payment_intent,
+            "object": "payment_intent",
+            "amount": amount,
+            "amount_received": received,
+        }
     elif event_type == "charge.refunded":
         obj = {
             "id": "ch_1",

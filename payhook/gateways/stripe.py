@@ -96,7 +96,11 @@ class StripeGateway:
         reference = (
             require_str(metadata, "order_id", optional=True) if isinstance(metadata, dict) else None
         )
-        if event_type.startswith("payment_intent."):
+        if event_type == "payment_intent.succeeded" and "amount_received" in obj:
+            # What was captured: after a partial capture less than `amount`,
+            # which must not pay (and fulfil) the whole order.
+            order_id, amount = require_str(obj, "id"), require_amount(obj, "amount_received")
+        elif event_type.startswith("payment_intent."):
             order_id, amount = require_str(obj, "id"), require_amount(obj, "amount")
         elif event_type == "charge.refunded":
             order_id, amount = (

@@ -418,6 +418,19 @@ def test_events_delivered_out_of_order_are_applied_as_they_happened(
     assert factory.count("payment_exceptions") == 0
 
 
+def test_a_stripe_payment_captured_in_part_does_not_pay_the_order(
+    runtime: Runtime, factory: Factory
+) -> None:
+    shop = factory.shop("stripe")
+    order_id = factory.order(shop)
+    body = stripe_body(amount=1999, received=1000)
+    job = envelope(shop, body, stripe_headers(shop.secret, body))
+    assert handle(runtime, job.to_json()).outcome == "amount_mismatch"
+    assert factory.order_state(shop, order_id) == "pending"
+    assert factory.count("payment_outbox", order_id=order_id) == 0
+    assert factory.count("payment_exceptions", kind="amount_mismatch") == 1
+
+
 def test_each_refund_notification_carries_that_refund_whatever_the_gateway_reports(
     runtime: Runtime, factory: Factory
 ) -> None:

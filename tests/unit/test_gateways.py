@@ -253,6 +253,17 @@ class TestStripe:
         assert (event.gateway_order_id, event.merchant_reference) == ("pi_1", "order-1")
         assert (event.amount_minor, event.currency) == (700, "EUR")
 
+    def test_a_payment_counts_what_was_captured_not_what_was_asked(self) -> None:
+        """After a partial capture `amount_received` is less than `amount`:
+        that is what was paid (and a failed attempt received nothing)."""
+        partial = stripe_body(amount=1999, received=1000)
+        assert self.gateway.parse({}, partial).amount_minor == 1000
+        failed = stripe_body("payment_intent.payment_failed", amount=1999)
+        assert self.gateway.parse({}, failed).amount_minor == 1999
+        legacy = json.loads(stripe_body(amount=1999, received=1000))
+        del legacy["data"]["object"]["amount_received"]
+        assert self.gateway.parse({}, json.dumps(legacy).encode()).amount_minor == 1999
+
 
 def test_unknown_gateway_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="unknown gateway"):
