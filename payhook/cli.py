@@ -20,6 +20,19 @@ from payhook.errors import PayhookError
 from payhook.logs import configure_logging
 from payhook.settings import Settings
 
+#: The kinds of `payment_exceptions`: `consumer.rules.EXCEPTION_OUTCOMES`
+#: (a test keeps the two equal; the kernel never imports a component).
+EXCEPTION_KINDS = (
+    "amount_mismatch",
+    "beyond_horizon",
+    "currency_mismatch",
+    "identity_mismatch",
+    "invalid_transition",
+    "malformed",
+    "second_payment",
+    "unmapped_order",
+)
+
 #: Commands that run a service and configure their own logging (to stdout).
 SERVICES = frozenset({"ingress", "consumer", "outbox-worker", "dashboard", "up"})
 
@@ -280,7 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     ).add_subparsers(dest="action", required=True, metavar="ACTION")
     p = add("list", cmd_operations, "open exceptions, newest first, as JSON lines", exceptions)
     p.add_argument("--all", action="store_true", help="resolved ones too")
-    p.add_argument("--kind")
+    p.add_argument("--kind", choices=EXCEPTION_KINDS)
     p.add_argument("--tenant")
     p.add_argument("--limit", type=int, default=50)
     p = add("replay", cmd_operations, "re-apply an exception's event once fixed", exceptions)

@@ -67,6 +67,11 @@ class RuleError(PayhookError):
     """The unique rule cannot be checked."""
 
 
+class NotYetThere(RuleError):
+    """The rule names a table or column that does not exist (yet): a migration
+    may create it in a statement before the rule."""
+
+
 class UnresolvedConflicts(MigrationError):
     """Rows of the table already break the unique rule the migration adds."""
 
@@ -195,16 +200,18 @@ class _Shape:
     primary_key: tuple[str, ...]
     #: The rule begins with a uuid tenant_id, which the report keeps apart.
     by_tenant: bool
+    #: Partitioned, or inherited from: its rows live in several physical tables.
+    has_children: bool = False
 
 
 def _shape(conn: psycopg.Connection[Row], rule: UniqueRule) -> _Shape:
     rows = fetch_all(conn, "table_columns", {"table": rule.table})
     if not rows:
-        raise RuleError(f"{rule.name}: no table {rule.table}")
+        raise NotYetThere(f"{rule.name}: no table {rule.table}")
     columns = tuple(r["name"] for r in rows)
     missing = [c for c in rule.columns if c not in columns]
     if missing:
-        raise RuleError(f"{rule.name}: {rule.table} has no column {', '.join(missing)}")
+        raise NotYetThere(f"{rule.name}: {rule.table} has no column {', '.join(missing)}")
     local = rule.table.rsplit(".", 1)[-1] in LOCAL_TABLES
     if "tenant_id" in columns and not local and rule.columns[0] != "tenant_id":
         raise RuleError(
@@ -219,6 +226,7 @@ def _shape(conn: psycopg.Connection[Row], rule: UniqueRule) -> _Shape:
         primary_key=tuple(r["name"] for r in keyed),
         by_tenant=rule.columns[0] == "tenant_id"
         and any(r["name"] == "tenant_id" and r["type"] == "uuid" for r in rows),
+        has_children=rows[0]["has_children"],
     )
 
 
@@ -329,7 +337,15 @@ def resolve_rule(
     Each batch of groups is one short transaction that locks only the rows of
     those groups. A group whose rows no longer agree becomes `distinct`.
     """
-    parts = _parts(rule, _shape(conn, rule))
+    shape = _shape(conn, rule)
+    if shape.has_children:
+        # Copies are deleted by ctid, which names a row only within one
+        # physical table: on a parent it would match rows of every child.
+        raise RuleError(
+            f"{rule.name}: {rule.table} is partitioned or has child tables; "
+            "resolve each partition by name (--table)"
+        )
+    parts = _parts(rule, shape)
     lock = _template("lock_group_rows", parts)
     quarantine = _template("quarantine_rows", parts)
     collapsed = quarantined = reclassified = 0
@@ -393,6 +409,8 @@ def require_no_conflicts(conn: psycopg.Connection[Row], rule: UniqueRule) -> Non
         return  # created by the same migration: nothing to conflict with
     try:
         counts = remaining_conflicts(conn, rule)
+    except NotYetThere:
+        return  # a column the same migration adds: no row can break the rule yet
     except RuleError as exc:
         raise MigrationError(str(exc)) from exc
     if not counts:
@@ -448,4 +466,8 @@ def _chosen_rules(args: argparse.Namespace, settings: Settings) -> list[UniqueRu
             raise RuleError("--columns: name at least one column, comma-separated")
         return [UniqueRule(args.rule, args.table, columns)]
     rules = [r for m in pending_migrations(settings) for r in rules_in(m.path.read_text())]
-    return [r for r in rules if args.rule in (None, r.name)]
+    chosen = [r for r in rules if args.rule in (None, r.name)]
+    if args.rule is not None and not chosen:
+        pending = ", ".join(r.name for r in rules) or "none"
+        raise RuleError(f"--rule {args.rule}: no pending migration adds it (pending: {pending})")
+    return chosen

@@ -1,7 +1,9 @@
 -- table_columns --
 -- The columns of a table, and what each is: its type, generated (identity or
--- serial), stamped on arrival (a default of now()), its place in the primary key.
+-- serial), stamped on arrival (a default of now()), its place in the primary
+-- key; and whether the table is partitioned or has child tables.
 SELECT a.attname AS name, format_type(a.atttypid, a.atttypmod) AS type,
+       EXISTS (SELECT 1 FROM pg_inherits WHERE inhparent = a.attrelid) AS has_children,
        a.attidentity <> ''
            OR coalesce(pg_get_expr(d.adbin, d.adrelid), '') LIKE 'nextval(%%' AS generated,
        coalesce(pg_get_expr(d.adbin, d.adrelid), '')

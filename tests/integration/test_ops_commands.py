@@ -374,3 +374,11 @@ def test_bad_input_is_a_clear_error_with_exit_2_never_a_traceback(
     finally:
         with psycopg.connect(f"{PG_SERVER}/postgres", autocommit=True) as admin:
             admin.execute(f'DROP DATABASE IF EXISTS "{empty}" WITH (FORCE)')
+
+
+def test_an_exception_kind_that_does_not_exist_is_refused_not_an_empty_list(
+    settings: Settings,
+) -> None:
+    result = run_cli(settings, "exceptions", "list", "--kind", "amount_missmatch")
+    assert result.returncode == 2 and "invalid choice: 'amount_missmatch'" in result.stderr
+    assert run_cli(settings, "exceptions", "list", "--kind", "amount_mismatch").returncode == 0

@@ -213,6 +213,29 @@ def test_migration_waits_for_classification_and_resolution_then_builds_the_rule(
     assert violation.value.diag.constraint_name == RULE
 
 
+def test_a_rule_on_a_column_the_same_migration_adds_is_built_not_refused(
+    conn: psycopg.Connection[Row], settings: Settings, tmp_path: Path
+) -> None:
+    """No row can break a rule before its column exists: the pre-check has
+    nothing to read, and the index build is the check."""
+    migration = """-- payhook: no-transaction
+ALTER TABLE payhook.payment_exceptions
+    ADD COLUMN IF NOT EXISTS source text NOT NULL DEFAULT 'gateway';
+CREATE UNIQUE INDEX CONCURRENTLY IF NOT EXISTS payment_exceptions_source_key
+    ON payhook.payment_exceptions (tenant_id, event_id, kind, source);
+"""
+    folder = folder_with(tmp_path, "exceptions_source_key", migration)
+    add_exception(conn, "evt_1")
+    before = recorded(conn)
+    assert apply_migrations(settings, folder) == [f"{before + 1:04d}_exceptions_source_key.sql"]
+    found = fetch_one(
+        conn,
+        "index_state",
+        {"table": "payhook.payment_exceptions", "index": "payment_exceptions_source_key"},
+    )
+    assert found is not None and found["valid"]
+
+
 def test_distinct_rows_block_the_migration_and_are_never_removed(
     conn: psycopg.Connection[Row], settings: Settings, tmp_path: Path
 ) -> None:
@@ -401,3 +424,36 @@ def test_without_a_pending_rule_the_check_has_nothing_to_do(database: str) -> No
     result = run_cli(test_settings(database), "uniqueness", "check")
     assert result.returncode == 0
     assert "no pending migration" in result.stderr
+
+
+def test_a_rule_named_that_no_pending_migration_adds_is_an_error(database: str) -> None:
+    result = run_cli(test_settings(database), "uniqueness", "check", "--rule", "no_such_key")
+    assert result.returncode == 2
+    assert "--rule no_such_key: no pending migration adds it" in result.stderr
+
+
+def test_resolve_refuses_a_partitioned_table_whose_ctids_repeat_across_partitions(
+    conn: psycopg.Connection[Row],
+) -> None:
+    """ctid names a row only within one physical table: deleting copies by
+    ctid on a parent would remove rows of other partitions."""
+    conn.execute(
+        "CREATE TABLE public.parted (tenant_id uuid NOT NULL, k text) PARTITION BY LIST (tenant_id)"
+    )
+    a, b = str(uuid.uuid4()), str(uuid.uuid4())
+    conn.execute(f"CREATE TABLE public.parted_a PARTITION OF public.parted FOR VALUES IN ('{a}')")
+    conn.execute(f"CREATE TABLE public.parted_b PARTITION OF public.parted FOR VALUES IN ('{b}')")
+    conn.execute(
+        "INSERT INTO public.parted VALUES (%s, 'x'), (%s, 'x'), (%s, 'y1'), (%s, 'y2')",
+        (a, a, b, b),
+    )
+    rule = UniqueRule("parted_key", "public.parted", ("tenant_id", "k"))
+    assert check_rule(conn, rule).summary()["groups"] == 1
+    with pytest.raises(RuleError, match="partitioned or has child tables"):
+        resolve_rule(conn, rule)
+    assert conn.execute("SELECT count(*) AS n FROM public.parted").fetchone() == {"n": 4}
+    one = UniqueRule("parted_key", "public.parted_a", ("tenant_id", "k"))
+    check_rule(conn, one)
+    assert resolve_rule(conn, one).quarantined == 1
+    rows = conn.execute("SELECT k FROM public.parted ORDER BY k").fetchall()
+    assert [r["k"] for r in rows] == ["x", "y1", "y2"]

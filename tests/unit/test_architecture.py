@@ -41,3 +41,10 @@ def test_the_shared_kernel_imports_no_component_at_module_level() -> None:
         for path in (ROOT / "payhook").rglob("*.py")
     }
     assert {path: found for path, found in offenders.items() if found} == {}
+
+
+def test_the_cli_offers_every_exception_kind_the_consumer_records() -> None:
+    from consumer.rules import EXCEPTION_OUTCOMES
+    from payhook.cli import EXCEPTION_KINDS
+
+    assert set(EXCEPTION_KINDS) == EXCEPTION_OUTCOMES
