@@ -1,11 +1,13 @@
 """The in-memory copy of the webhook endpoints, refreshed in the background.
 
 Requests read only this copy: PostgreSQL is never on the request path. The
-whole table is read at start and then every `settings.endpoint_refresh`
-seconds, so a new endpoint or a rotated secret works within one interval, an
-unknown id costs no query whatever the traffic (the table is read once per
-interval, however many ids are asked for), and while PostgreSQL is away the
-last good copy keeps serving.
+whole table is read at start; then every `settings.endpoint_refresh` seconds
+one small query reads the counter that every change to the table moves
+(`payhook.endpoint_version`), and the table is read again only when it moved,
+or when FULL_RELOAD seconds have passed whatever it says. So a new endpoint or
+a rotated secret works within one interval, an unknown id costs no query
+whatever the traffic, a large table is not rebuilt (holding the event loop)
+every interval, and while PostgreSQL is away the last good copy keeps serving.
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ log = structlog.get_logger(__name__)
 
 #: Seconds one refresh (connect and query) may take before it counts as failed.
 REFRESH_TIMEOUT = 10.0
+#: Seconds after which the whole table is read again even if its counter has
+#: not moved (a change made with triggers off: a restore, a replica's apply).
+FULL_RELOAD = 60.0
 
 
 @dataclass(frozen=True)
@@ -37,7 +42,8 @@ class Endpoint:
     secrets: tuple[str, ...] = field(repr=False)
 
 
-Loader = Callable[[], Awaitable[list[Endpoint]]]
+#: Reads the endpoints; None when they have not changed since its last read.
+Loader = Callable[[], Awaitable[list[Endpoint] | None]]
 
 
 class EndpointCache:
@@ -62,29 +68,46 @@ class EndpointCache:
         self._endpoints = {endpoint.id: endpoint for endpoint in endpoints}
         self.refreshed_at = time.monotonic()
 
+    def confirm(self) -> None:
+        """The copy was found current: as fresh as if just read (once there is one)."""
+        if self.refreshed_at is not None:
+            self.refreshed_at = time.monotonic()
+
     def age(self) -> float | None:
         """Seconds since the last successful refresh."""
         return None if self.refreshed_at is None else time.monotonic() - self.refreshed_at
 
 
 class PostgresEndpoints:
-    """Reads every endpoint over one connection, reconnecting after a failure."""
+    """Reads the endpoints over one connection, reconnecting after a failure:
+    all of them when their version moved since the last read, else nothing."""
 
-    def __init__(self, database_url: str) -> None:
+    def __init__(self, database_url: str, full_reload: float = FULL_RELOAD) -> None:
         self._url = database_url
+        self._full_reload = full_reload
         self._conn: psycopg.AsyncConnection[psycopg.rows.DictRow] | None = None
+        #: The version of the last full read, and when (monotonic) it was made.
+        self._version: int | None = None
+        self._read_at = 0.0
 
-    async def __call__(self) -> list[Endpoint]:
+    async def __call__(self) -> list[Endpoint] | None:
         try:
             if self._conn is None or self._conn.closed:
                 self._conn = await psycopg.AsyncConnection.connect(
                     self._url, **(connection_kwargs("ingress") | {"row_factory": dict_row})
                 )
+            if self._version is not None and time.monotonic() - self._read_at < self._full_reload:
+                cursor = await self._conn.execute(query("endpoint_version"))
+                current = await cursor.fetchone()
+                if current is not None and current["version"] == self._version:
+                    return None
+            read_at = time.monotonic()
             cursor = await self._conn.execute(query("list_endpoints"))
             rows = await cursor.fetchall()
         except BaseException:
             await self.close()
             raise
+        self._version, self._read_at = (rows[0]["version"] if rows else None), read_at
         return [
             Endpoint(
                 id=str(row["id"]),
@@ -93,6 +116,7 @@ class PostgresEndpoints:
                 secrets=tuple(row["secrets"]),
             )
             for row in rows
+            if row["id"] is not None
         ]
 
     async def close(self) -> None:
@@ -134,10 +158,13 @@ class Refresher:
             )
             self._report(False)
             return False
-        first = not self.cache.loaded
-        self.cache.replace(endpoints)
-        if first:
-            log.info("endpoints_loaded", endpoints=len(endpoints))
+        if endpoints is None:
+            self.cache.confirm()
+        else:
+            first = not self.cache.loaded
+            self.cache.replace(endpoints)
+            if first:
+                log.info("endpoints_loaded", endpoints=len(endpoints))
         self._report(True)
         return True
 

@@ -42,7 +42,7 @@ log = structlog.get_logger(__name__)
 NO_TENANT = "00000000-0000-0000-0000-000000000000"
 #: Tables that are not distributed by tenant (DESIGN.md): their rules need not
 #: begin with tenant_id.
-LOCAL_TABLES = frozenset({"tenants", "security_anomalies", "schema_migrations"})
+LOCAL_TABLES = frozenset({"tenants", "security_anomalies", "schema_migrations", "endpoint_version"})
 #: Groups one resolve transaction collapses.
 RESOLVE_BATCH = 100
 

@@ -1,4 +1,11 @@
+-- endpoint_version --
+-- Moved by every change to webhook_endpoints (migration 0006's trigger).
+SELECT version FROM payhook.endpoint_version
+
 -- list_endpoints --
--- Every endpoint with its tenant, gateway and active secrets, for the ingress cache.
-SELECT id, tenant_id, gateway, secrets
-  FROM payhook.webhook_endpoints
+-- Every endpoint with its tenant, gateway and active secrets, for the ingress
+-- cache, and the version they are at, read in one snapshot (one row of NULLs
+-- beside the version when there is no endpoint).
+SELECT v.version, e.id, e.tenant_id, e.gateway, e.secrets
+  FROM payhook.endpoint_version AS v
+  LEFT JOIN payhook.webhook_endpoints AS e ON true

@@ -208,7 +208,7 @@ async def test_unknown_endpoints_are_404_and_never_reach_postgresql(
     reader = PostgresEndpoints(ingress_settings.database_url)
     loads = 0
 
-    async def counting() -> list[Endpoint]:
+    async def counting() -> list[Endpoint] | None:
         nonlocal loads
         loads += 1
         return await reader()
@@ -223,6 +223,49 @@ async def test_unknown_endpoints_are_404_and_never_reach_postgresql(
             assert (await harness.post(junk, b"{}", {})).status_code == 404
     await reader.close()
     assert loads == 1
+
+
+async def test_the_endpoint_table_is_read_again_only_when_it_changed(
+    ingress_settings: Settings, factory: Factory
+) -> None:
+    """Each refresh reads one counter; the whole table (rebuilt on the event
+    loop, so large tables stall requests) only after a change of any kind,
+    or once the full-reload interval has passed."""
+    shop = factory.shop()
+    reader = PostgresEndpoints(ingress_settings.database_url)
+    try:
+        first = await reader()
+        assert first is not None and [e.id for e in first] == [shop.endpoint_id]
+        assert await reader() is None, "unchanged: nothing read"
+
+        other = factory.shop()
+        added = await reader()
+        assert added is not None
+        assert {e.id for e in added} == {shop.endpoint_id, other.endpoint_id}
+        assert await reader() is None
+
+        with factory.conn.transaction():
+            factory.conn.execute(
+                "UPDATE payhook.webhook_endpoints SET secrets = %s WHERE id = %s",
+                (["whsec_bmV3", shop.secret], shop.endpoint_id),
+            )
+        rotated = await reader()
+        assert rotated is not None
+        assert {e.id: e.secrets[0] for e in rotated}[shop.endpoint_id] == "whsec_bmV3"
+
+        factory.conn.execute(
+            "DELETE FROM payhook.webhook_endpoints WHERE id = %s", (other.endpoint_id,)
+        )
+        removed = await reader()
+        assert removed is not None and [e.id for e in removed] == [shop.endpoint_id]
+    finally:
+        await reader.close()
+
+    always = PostgresEndpoints(ingress_settings.database_url, full_reload=0)
+    try:
+        assert await always() is not None and await always() is not None
+    finally:
+        await always.close()
 
 
 async def test_other_methods_are_405_and_queue_nothing(harness: Harness, factory: Factory) -> None:
@@ -393,7 +436,7 @@ async def test_postgresql_outage_keeps_known_endpoints_accepting(
     reader = PostgresEndpoints(ingress_settings.database_url)
     up = True
 
-    async def switchable() -> list[Endpoint]:
+    async def switchable() -> list[Endpoint] | None:
         if not up:
             raise psycopg.OperationalError("connection refused")
         return await reader()

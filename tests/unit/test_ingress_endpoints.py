@@ -13,11 +13,11 @@ TWO = Endpoint("e2", "t2", "stripe", ("whsec_stripe",))
 
 
 class Loader:
-    def __init__(self, *results: list[Endpoint] | Exception) -> None:
+    def __init__(self, *results: list[Endpoint] | Exception | None) -> None:
         self.results = list(results)
         self.calls = 0
 
-    async def __call__(self) -> list[Endpoint]:
+    async def __call__(self) -> list[Endpoint] | None:
         self.calls += 1
         result = self.results.pop(0) if len(self.results) > 1 else self.results[0]
         if isinstance(result, Exception):
@@ -81,3 +81,16 @@ def test_an_unexpected_error_is_a_failed_refresh_and_the_refreshing_goes_on() ->
 
 def test_secrets_never_appear_in_a_repr() -> None:
     assert "whsec" not in repr(ONE) and "e1" in repr(ONE)
+
+
+def test_an_unchanged_table_keeps_the_copy_and_counts_as_fresh() -> None:
+    cache = EndpointCache()
+    refresher = Refresher(cache, Loader(None, [ONE], None), 1.0)
+    assert asyncio.run(refresher.refresh())
+    assert not cache.loaded, "nothing read yet: still not loaded"
+    assert asyncio.run(refresher.refresh())
+    loaded_at = cache.refreshed_at
+    assert asyncio.run(refresher.refresh())
+    assert cache.get("e1") == ONE
+    assert cache.refreshed_at is not None and loaded_at is not None
+    assert cache.refreshed_at >= loaded_at
