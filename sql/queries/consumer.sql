@@ -1,6 +1,7 @@
 -- get_endpoint --
--- The endpoint a job names, with its tenant, gateway, active and retired secrets.
-SELECT tenant_id, id, gateway, secrets, retired_secrets
+-- The endpoint a job names, with its tenant, gateway, active and retired
+-- secrets (a NULL among them, which only SQL by hand can write, left out).
+SELECT tenant_id, id, gateway, array_remove(secrets, NULL) AS secrets, retired_secrets
   FROM payhook.webhook_endpoints
  WHERE id = %(endpoint_id)s
 

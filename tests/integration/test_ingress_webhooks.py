@@ -326,13 +326,14 @@ async def test_header_bytes_beyond_ascii_are_refused_not_a_500(
 async def test_a_stored_secret_that_is_not_whsec_base64_does_not_stop_the_others(
     harness: Harness, factory: Factory
 ) -> None:
-    """The commands refuse such a secret; one written some other way is passed
-    over, and the endpoint's good secrets still verify."""
+    """The commands refuse such a secret; one written some other way (or a
+    NULL) is passed over, and the endpoint's good secrets still verify."""
     shop = factory.shop()
     with pytest.raises(PayhookError, match="--secret"):
         admin.rotate_endpoint_secret(factory.conn, shop.endpoint_id, "whsec_not base64!")
     factory.conn.execute(
-        "UPDATE payhook.webhook_endpoints SET secrets = array_prepend('whsec_é!', secrets)"
+        "UPDATE payhook.webhook_endpoints"
+        " SET secrets = array_prepend(NULL::text, array_prepend('whsec_é!', secrets))"
         " WHERE id = %s",
         (shop.endpoint_id,),
     )
