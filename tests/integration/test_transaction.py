@@ -336,7 +336,7 @@ def test_stripe_redelivery_of_an_unreadable_event_is_a_duplicate_not_a_conflict(
     bodies = []
     for pending in (2, 1):
         data = json.loads(stripe_body(event_id="evt_unreadable", pending_webhooks=pending))
-        data["data"]["object"]["amount"] = "lots"
+        data["data"]["object"]["amount"] = data["data"]["object"]["amount_received"] = "lots"
         bodies.append(json.dumps(data).encode())
     assert bodies[0] != bodies[1]
     outcomes = [
