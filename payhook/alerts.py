@@ -17,6 +17,7 @@ exports every signal as `payhook_alert_value` and `payhook_alert_threshold`
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -28,7 +29,7 @@ from prometheus_client.registry import Collector
 from redis import Redis
 from redis.exceptions import RedisError
 from rq import Queue
-from rq.registry import FailedJobRegistry
+from rq.registry import FailedJobRegistry, ScheduledJobRegistry
 from rq.utils import utcparse
 
 from payhook import counters
@@ -179,7 +180,7 @@ def read_signals(
             "queue_backlog",
             int(backlog),
             int(config.backlog),
-            f"seconds the oldest event job has waited in the queue "
+            f"seconds the oldest event job has waited in the queue or past its retry time "
             f"(alerts above {_duration(config.backlog)})",
         ),
         Signal(
@@ -201,13 +202,29 @@ def read_signals(
 
 
 def oldest_waiting(queue: Queue) -> float:
-    """Seconds the oldest job of `queue` has waited since it was enqueued; 0 if none.
+    """Seconds the oldest job of `queue` has waited; 0 if none.
 
-    Workers take jobs from the head, so while consumers keep up this stays
-    near zero; it grows when they are down, stuck or outpaced. A head id
-    without a readable job (gone, or its time unreadable) is passed over for
-    the next, up to `BACKLOG_PROBE` of them.
+    A queued job waits from when it was enqueued. Workers take jobs from the
+    head, so while consumers keep up this stays near zero; it grows when they
+    are down, stuck or outpaced. A head id without a readable job (gone, or
+    its time unreadable) is passed over for the next, up to `BACKLOG_PROBE` of
+    them. A job scheduled for a retry (with backoff, while the database was
+    down) waits from its retry time: the consumers' schedulers move it onto
+    the queue within a second of it, so one overdue means no consumer runs.
     """
+    overdue = _oldest_overdue(ScheduledJobRegistry(queue=queue))  # type: ignore[no-untyped-call]
+    return max(_oldest_queued(queue), overdue)
+
+
+def _oldest_overdue(registry: ScheduledJobRegistry) -> float:
+    """Seconds past its time of the earliest scheduled job; 0 if none is due."""
+    earliest = registry.connection.zrange(registry.key, 0, 0, withscores=True)
+    if not earliest:
+        return 0.0
+    return max(0.0, time.time() - float(earliest[0][1]))
+
+
+def _oldest_queued(queue: Queue) -> float:
     for job_id in queue.get_job_ids(0, BACKLOG_PROBE):
         raw = queue.connection.hget(queue.job_class.key_for(job_id), "enqueued_at")
         if not raw:

@@ -14,7 +14,7 @@ import psycopg
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from redis import Redis
-from rq.registry import FailedJobRegistry
+from rq.registry import FailedJobRegistry, ScheduledJobRegistry
 from rq.utils import utcformat
 
 from consumer.transaction import Applied, Endpoint, apply_event
@@ -235,3 +235,21 @@ def test_backlog_passes_over_head_ids_without_a_readable_job(
     assert oldest_waiting(queue) >= 600
     queue.empty()
     assert oldest_waiting(queue) == 0
+
+
+def test_a_retry_overdue_on_its_schedule_is_a_backlog(
+    conn: psycopg.Connection[Row], settings: Settings, redis_conn: Redis
+) -> None:
+    """Jobs retried with backoff (the database was down) wait in RQ's
+    scheduled registry; the consumers' schedulers move each onto the queue
+    at its time. All consumers down, nothing moves them, the queue itself
+    may be empty, and the backlog must still show."""
+    queue = events_queue(redis_conn, settings)
+    job = queue.enqueue("consumer.jobs.apply_event", {"v": 1})
+    queue.remove(job.id)
+    registry = ScheduledJobRegistry(queue=queue)
+    registry.schedule(job, datetime.now(UTC) + timedelta(minutes=1))
+    assert queue.count == 0
+    assert oldest_waiting(queue) == 0, "not due yet"
+    registry.schedule(job, datetime.now(UTC) - timedelta(minutes=10))
+    assert 600 <= values(conn, redis_conn, settings)["queue_backlog"] < 660
