@@ -42,6 +42,7 @@ class EndpointCache:
             retired=tuple(
                 (r["secret"], datetime.fromisoformat(r["retired_at"]))
                 for r in row["retired_secrets"]
+                if isinstance(r.get("secret"), str)  # a NULL written by hand is no secret
             ),
         )
         self._entries[endpoint_id] = (endpoint, time.monotonic())

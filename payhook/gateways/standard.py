@@ -134,7 +134,7 @@ def _keys(secrets: Sequence[str]) -> list[bytes]:
     for secret in secrets:
         try:
             keys.append(secret_key(secret))
-        except ValueError:
+        except (ValueError, AttributeError):  # AttributeError: not a string at all
             continue
     return keys
 

@@ -68,7 +68,9 @@ class StripeGateway:
         check_tolerance(timestamp, now, tolerance)
         content = f"{timestamp}.".encode() + body
         expected = [
-            hmac.digest(secret.encode(), content, "sha256").hex().encode() for secret in secrets
+            hmac.digest(secret.encode(), content, "sha256").hex().encode()
+            for secret in secrets
+            if isinstance(secret, str)  # a row written by hand may hold a NULL
         ]
         if not any_signature_matches(expected, signatures):
             raise SignatureMismatch()

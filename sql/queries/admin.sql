@@ -19,15 +19,16 @@ RETURNING id
 -- End a rotation: keep only the newest secret active; the others are kept,
 -- with the time of retirement, for jobs received before it (pruned after
 -- %(keep_days)s days, longer than any job waits in the dead-letter queue).
+-- A NULL among the secrets (only SQL by hand writes one) is dropped.
 UPDATE payhook.webhook_endpoints
-   SET secrets = secrets[1:1],
+   SET secrets = (array_remove(secrets, NULL))[1:1],
        retired_secrets = (
            SELECT coalesce(jsonb_agg(r), '[]'::jsonb)
              FROM (SELECT r FROM jsonb_array_elements(retired_secrets) r
                     WHERE (r ->> 'retired_at')::timestamptz > now() - make_interval(days => %(keep_days)s)
                    UNION ALL
                    SELECT jsonb_build_object('secret', s, 'retired_at', now())
-                     FROM unnest(secrets[2:]) s) kept
+                     FROM unnest((array_remove(secrets, NULL))[2:]) s) kept
        ),
        rotated_at = now()
  WHERE id = %(id)s

@@ -261,6 +261,21 @@ async def test_the_endpoint_table_is_read_again_only_when_it_changed(
     finally:
         await reader.close()
 
+    # The counter's row deleted by hand: every refresh reads the whole table,
+    # never an empty copy, and the next change puts the row back, moved on.
+    factory.conn.execute("DELETE FROM payhook.endpoint_version")
+    reader = PostgresEndpoints(ingress_settings.database_url)
+    try:
+        for _ in range(2):
+            unversioned = await reader()
+            assert unversioned is not None and [e.id for e in unversioned] == [shop.endpoint_id]
+        factory.shop()
+        back = await reader()
+        assert back is not None and len(back) == 2
+        assert await reader() is None
+    finally:
+        await reader.close()
+
     always = PostgresEndpoints(ingress_settings.database_url, full_reload=0)
     try:
         assert await always() is not None and await always() is not None

@@ -521,6 +521,42 @@ def test_consumer_follows_secret_rotation(runtime: Runtime, factory: Factory) ->
     assert handle(runtime, received_later.to_json()).outcome == "signature_invalid"
 
 
+@pytest.mark.parametrize("gateway", ["standard", "stripe"])
+def test_a_null_written_among_the_secrets_by_hand_never_breaks_verification(
+    runtime: Runtime, factory: Factory, gateway: str
+) -> None:
+    """Only SQL by hand can put a NULL among an endpoint's secrets: active,
+    retired at the end of a rotation, or first in the list, it is passed over
+    and the real secrets still verify."""
+    from payhook import admin
+
+    shop = factory.shop(gateway)
+    factory.conn.execute(
+        "UPDATE payhook.webhook_endpoints"
+        " SET secrets = array_prepend(NULL::text, array_append(secrets, NULL)) WHERE id = %s",
+        (shop.endpoint_id,),
+    )
+    runtime.endpoints.ttl = 0
+
+    def deliver() -> str:
+        if gateway == "standard":
+            return apply(runtime, factory, shop, StandardEvent(type="customer.created"))
+        body = stripe_body("customer.created")
+        return handle(
+            runtime, envelope(shop, body, stripe_headers(shop.secret, body)).to_json()
+        ).outcome
+
+    assert deliver() == "ignored"
+    admin.retire_old_secrets(factory.conn, shop.endpoint_id)
+    row = factory.conn.execute(
+        "SELECT secrets, retired_secrets FROM payhook.webhook_endpoints WHERE id = %s",
+        (shop.endpoint_id,),
+    ).fetchone()
+    assert row is not None and row["secrets"] == [shop.secret]
+    assert all(isinstance(r["secret"], str) for r in row["retired_secrets"])
+    assert deliver() == "ignored"
+
+
 def test_job_timeout_while_waiting_on_a_lock_cancels_the_statement(
     runtime: Runtime, factory: Factory, settings: Settings
 ) -> None:
