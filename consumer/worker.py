@@ -3,7 +3,9 @@
 The JSON serializer keeps pickle out, but RQ would still import whatever
 function name a job carries; anyone able to write to Redis could run
 `os.system`. `PayhookJob` refuses every function and callback that is not
-allowlisted, and such a job fails at once, without retries.
+allowlisted, and every job carrying what payhook never writes (RQ webhooks:
+HTTP requests to any address, sent outside the job's timeout; repeats); such
+a job fails at once, without retries, and its webhooks are never sent.
 """
 
 from __future__ import annotations
@@ -23,14 +25,34 @@ ALLOWED_FUNCTIONS = frozenset({APPLY_EVENT})
 
 class PayhookJob(Job):
     allowed_functions = ALLOWED_FUNCTIONS
+    #: What the job carries that payhook never writes, found when it was read.
+    _refused: str | None = None
+
+    def restore(self, raw_data: Any) -> Any:
+        restored = super().restore(raw_data)
+        carried = [
+            name
+            for name, value in (("webhooks", self.webhooks), ("repeats", self.repeats_left))
+            if value
+        ]
+        self._refused = ", ".join(carried) or None
+        self.webhooks = []
+        self.repeats_left = None
+        return restored
+
+    def send_webhooks(self, status: Any, *, exc_string: str | None = None) -> None:
+        """Never: payhook's jobs have no webhooks, and a forged one must not
+        make a consumer send requests (or hang on them)."""
 
     @property
     def func(self) -> Any:
-        if self.func_name not in self.allowed_functions or self.instance is not None:
+        name = self.func_name
+        if self._refused is not None:
             self.retries_left = 0
-            raise ForbiddenJob(
-                f"job {self.id} names {self.func_name!r}, which payhook does not run"
-            )
+            raise ForbiddenJob(f"job {self.id} carries {self._refused}, which payhook never writes")
+        if not isinstance(name, str) or name not in self.allowed_functions or self.instance:
+            self.retries_left = 0
+            raise ForbiddenJob(f"job {self.id} names {name!r}, which payhook does not run")
         return super().func
 
     @property

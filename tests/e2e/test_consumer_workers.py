@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import signal
+import socket
 import uuid
+import zlib
 from collections import Counter
 from pathlib import Path
 
@@ -15,6 +17,7 @@ from rq import Retry
 from rq.job import Job, JobStatus
 from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
+from rq.webhook import Webhook
 
 from payhook.queue import APPLY_EVENT, enqueue_event, events_queue
 from payhook.settings import Settings
@@ -135,6 +138,47 @@ def test_job_naming_a_foreign_function_is_refused(
     assert not marker.exists()
     assert job.id in FailedJobRegistry(queue=queue).get_job_ids()
     assert "ForbiddenJob" in (fetch(redis_conn, job.id).latest_result().exc_string or "")
+
+
+def test_a_job_carrying_webhooks_or_an_odd_function_name_is_refused_and_sends_nothing(
+    settings: Settings, redis_conn: Redis, factory: Factory, tmp_path: Path
+) -> None:
+    """RQ sends a job's webhooks (any URL, any headers) when it finishes or
+    fails, outside the job's timeout: whoever writes to Redis could make a
+    consumer call anything, or hang it on a peer that never answers. payhook
+    never writes webhooks, so such a job fails at once, unretried, and nothing
+    is sent. A function name that is not a string is refused at once too."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.2)
+    port = listener.getsockname()[1]
+    shop = factory.shop()
+    signed = factory.standard_envelope(shop, StandardEvent(type="customer.created")).to_json()
+    queue = events_queue(redis_conn, settings)
+    hooks = [
+        Webhook(f"http://127.0.0.1:{port}/{status}", status, timeout=10**6)  # type: ignore[arg-type]
+        for status in ("finished", "failed")
+    ]
+    hooked = queue.enqueue(APPLY_EVENT, signed, webhooks=hooks, retry=Retry(max=3))
+    odd = queue.enqueue(APPLY_EVENT, signed, retry=Retry(max=3))
+    data = json.loads(zlib.decompress(redis_conn.hget(odd.key, "data")))
+    data[0] = [APPLY_EVENT]
+    redis_conn.hset(odd.key, "data", zlib.compress(json.dumps(data).encode()))
+
+    worker = start(["consumer", "--burst"], process_env(settings, **FAST), tmp_path / "w.log")
+    try:
+        assert worker.wait(timeout=60) == 0, (tmp_path / "w.log").read_text()[-2000:]
+    finally:
+        stop(worker)
+    with pytest.raises(TimeoutError):
+        listener.accept()  # the consumer never connected
+    listener.close()
+    failed = FailedJobRegistry(queue=queue).get_job_ids()
+    for job, reason in ((hooked, "carries webhooks"), (odd, "names ['")):
+        assert job.id in failed
+        refused = fetch(redis_conn, job.id)
+        assert refused.retries_left == 0
+        assert reason in (refused.latest_result().exc_string or ""), reason
+    assert factory.count("payment_event_receipts") == 0
 
 
 @pytest.mark.parametrize("kind", ["signature_invalid", "unknown_endpoint", "malformed_job"])
