@@ -32,7 +32,7 @@ def build_client(config: OutboxConfig) -> httpx.Client:
         max_connections=config.concurrency, max_keepalive_connections=config.concurrency
     )
     timeout = httpx.Timeout(config.timeout)
-    if urllib.request.getproxies():
+    if environment_proxy():
         log.warning("outbox_proxy_from_environment", deadline="per step only")
         return httpx.Client(timeout=timeout, limits=limits, follow_redirects=False)
     return httpx.Client(
@@ -40,6 +40,17 @@ def build_client(config: OutboxConfig) -> httpx.Client:
         transport=deadline.build_transport(limits),
         follow_redirects=False,
     )
+
+
+def environment_proxy() -> bool:
+    """Whether httpx would take a proxy from the environment: it reads only
+    `HTTP_PROXY`, `HTTPS_PROXY` and `ALL_PROXY` (lower case too), and
+    `NO_PROXY=*` turns them all off. `NO_PROXY` alone, common in container
+    images, names no proxy, and must not cost the deliveries their deadline."""
+    found = urllib.request.getproxies()
+    if "*" in (host.strip() for host in found.get("no", "").split(",")):
+        return False
+    return any(found.get(scheme) for scheme in ("http", "https", "all"))
 
 
 def pool_size(settings: Settings, config: OutboxConfig) -> int:

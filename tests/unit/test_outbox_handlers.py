@@ -293,3 +293,21 @@ def test_the_worker_client_has_the_deadline_unless_a_proxy_is_configured(
     with capture_logs() as logs, build_client(config):
         pass
     assert [entry["event"] for entry in logs] == ["outbox_proxy_from_environment"]
+
+    # NO_PROXY alone (as in many container images), an FTP or SOCKS proxy
+    # httpx ignores, or NO_PROXY=*: no proxy, so the deadline stays.
+    for found in (
+        {"no": "localhost,.internal"},
+        {"ftp": "http://proxy:21", "socks": "socks5://proxy:1080"},
+        {"https": "http://proxy:3128", "no": "*"},
+    ):
+        monkeypatch.setattr(urllib.request, "getproxies", lambda found=found: found)
+        receiver = TricklingReceiver()
+        with (
+            capture_logs() as logs,
+            build_client(config) as client,
+            deadline.within(time.monotonic() + 0.6),
+        ):
+            assert post_delivery(client, make_claim(receiver.url)).kind == "retry", found
+        receiver.close()
+        assert logs == [], found
