@@ -233,7 +233,8 @@ class Demo:
 
 
 class Stopping:
-    """Set by SIGINT or SIGTERM; a second signal asks for no more patience."""
+    """Set by SIGINT, SIGTERM or SIGHUP (the terminal closed); a second signal
+    asks for no more patience."""
 
     def __init__(self) -> None:
         self.event = threading.Event()
@@ -268,8 +269,8 @@ def run(
     configure_logging(settings.log_level, stream=LineWriter(out))  # type: ignore[arg-type]
     logging.getLogger("pgserver").setLevel(logging.WARNING)
     stopping = Stopping()
-    signal.signal(signal.SIGTERM, stopping)
-    signal.signal(signal.SIGINT, stopping)
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, stopping)
     _check_port(options.host, options.port, "--port")
     _check_port("127.0.0.1", options.dashboard_port, "--dashboard-port")
     state_dir = options.state_dir.resolve()
@@ -395,8 +396,35 @@ def start_embedded_postgres(pgdata: Path) -> tuple[str, Callable[[], None]]:
                 "no PostgreSQL answers and pgserver is not installed: set DATABASE_URL, "
                 "start PostgreSQL, or `pip install pgserver`"
             ) from None
+        _forget_dead_holders(pgdata)
         server = get_server(pgdata, cleanup_mode="stop")
     return str(server.get_uri(database="payhook")), server.cleanup
+
+
+def _forget_dead_holders(pgdata: Path) -> None:
+    """pgserver stops its server when the last process holding it lets go, and
+    lists the holders in a file: one killed (SIGKILL, a crash) stays listed,
+    and the server would outlive every later run. Drop the pids that are gone."""
+    listed = pgdata / ".handle_pids.json"
+    try:
+        pids = json.loads(listed.read_text())
+    except (OSError, ValueError):
+        return
+    if not isinstance(pids, list):
+        return
+    alive = [pid for pid in pids if isinstance(pid, int) and _running(pid)]
+    if alive != pids:
+        listed.write_text(json.dumps(alive))
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def redis_server_candidates() -> list[Path]:

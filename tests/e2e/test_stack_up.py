@@ -162,6 +162,49 @@ def test_newcomer_runs_up_sends_a_payment_and_stops_everything(workdir: Path) ->
 
 
 @pytest.mark.slow
+def test_embedded_postgresql_outlives_a_killed_up_only_until_the_next_run_stops(
+    workdir: Path,
+) -> None:
+    """SIGKILL cannot be caught: the embedded PostgreSQL stays, with the killed
+    run still listed as holding it. The next run must not count that run, and
+    stops PostgreSQL when it stops, here on SIGHUP (the terminal closed)."""
+    pgdata = workdir / ".payhook" / "pgdata"
+
+    def run_up() -> tuple[subprocess.Popen[bytes], Path]:
+        args = ["--embedded", "--port", str(free_port()), "--dashboard-port", str(free_port())]
+        up, log = start_up(args, newcomer_env(), workdir)
+        wait_for_banner(up, log)
+        return up, log
+
+    first, _ = run_up()
+    try:
+        first.kill()
+        first.wait(timeout=30)
+        assert postgres_serving(pgdata), "SIGKILL leaves the embedded server running"
+        second, log = run_up()
+        try:
+            children = psutil.Process(second.pid).children(recursive=True)
+            second.send_signal(signal.SIGHUP)
+            assert second.wait(timeout=60) == 0, log.read_text()[-4000:]
+            assert alive(children) == []
+            assert postgres_serving(pgdata) == []
+        finally:
+            if second.poll() is None:
+                second.kill()
+                second.wait()
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+        # Never leave a server behind a failed test.
+        for process in psutil.process_iter(["name", "cmdline"]):
+            if process.info["name"] == "postgres" and str(pgdata) in " ".join(
+                process.info["cmdline"] or []
+            ):
+                process.kill()
+
+
+@pytest.mark.slow
 def test_up_uses_the_configured_services_and_stops_all_when_a_child_dies(
     settings: Settings, tmp_path: Path
 ) -> None:
