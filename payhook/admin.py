@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import re
 import uuid
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 import psycopg
 
@@ -32,8 +34,8 @@ class NewEndpoint:
 def add_tenant(conn: psycopg.Connection[Row], name: str, fulfilment_url: str | None = None) -> str:
     if not name.strip():
         raise PayhookError("a tenant needs a non-empty name")
-    if fulfilment_url is not None and not fulfilment_url.startswith(("http://", "https://")):
-        raise PayhookError("--fulfilment-url must be an http:// or https:// URL")
+    if fulfilment_url is not None:
+        _check_url(fulfilment_url)
     tenant_id = str(uuid.uuid4())
     with conn.transaction():
         execute(
@@ -111,15 +113,15 @@ def add_order(
     amount_minor: int,
     currency: str,
 ) -> str:
-    if not merchant_reference:
+    if not merchant_reference.strip():
         raise PayhookError("--merchant-ref may not be empty")
-    if not gateway_order_id:
+    if not gateway_order_id.strip():
         raise PayhookError("--gateway-order-id may not be empty")
     if not 0 < amount_minor <= MAX_AMOUNT_MINOR:
         raise PayhookError(
             f"--amount must be a positive number of minor units, at most {MAX_AMOUNT_MINOR}"
         )
-    if len(currency) != 3 or not currency.isalpha():
+    if not re.fullmatch("[A-Za-z]{3}", currency):
         raise PayhookError("--currency must be a three-letter code such as EUR")
     order_id = str(uuid.uuid4())
     try:
@@ -143,6 +145,24 @@ def add_order(
         what = "merchant reference" if "merchant_reference" in constraint else "gateway order id"
         raise AlreadyExists(f"the tenant already has an order with that {what}") from None
     return order_id
+
+
+def _check_url(url: str) -> None:
+    """A URL the outbox worker can deliver to: http or https, a host, no spaces."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises on a port that is not a number
+    except ValueError:
+        parts = None
+    if (
+        parts is None
+        or parts.scheme not in ("http", "https")
+        or not parts.hostname
+        or any(c.isspace() for c in url)
+    ):
+        raise PayhookError(
+            f"--fulfilment-url: expected an http:// or https:// URL with a host, got {url!r}"
+        )
 
 
 def _uuid(value: str, name: str) -> str:

@@ -33,6 +33,18 @@ EXCEPTION_KINDS = (
     "unmapped_order",
 )
 
+
+def port(value: str) -> int:
+    """A TCP port to listen on, 1 to 65535 (argparse type)."""
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {value!r}") from None
+    if not 1 <= number <= 65535:
+        raise argparse.ArgumentTypeError(f"expected 1 to 65535, got {number}")
+    return number
+
+
 #: Commands that run a service and configure their own logging (to stdout).
 SERVICES = frozenset({"ingress", "consumer", "outbox-worker", "dashboard", "up"})
 
@@ -265,8 +277,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("up", cmd_up, "the whole stack on this machine, for a newcomer; Ctrl-C stops it")
     p.add_argument("--host", default="127.0.0.1", help="the ingress's address")
-    p.add_argument("--port", type=int, default=8000, help="the ingress's port")
-    p.add_argument("--dashboard-port", type=int, default=9181)
+    p.add_argument("--port", type=port, default=8000, help="the ingress's port")
+    p.add_argument("--dashboard-port", type=port, default=9181)
     p.add_argument("--consumers", type=int, default=2, help="consumer processes")
     p.add_argument("--fulfilment-url", help="where the demo tenant's fulfilment is POSTed")
     p.add_argument(
@@ -278,7 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("dashboard", cmd_dashboard, "rq-dashboard for the events queue, with basic auth")
     p.add_argument("--host", help="default PAYHOOK_DASHBOARD_HOST or 127.0.0.1")
-    p.add_argument("--port", type=int, help="default PAYHOOK_DASHBOARD_PORT or 9181")
+    p.add_argument("--port", type=port, help="default PAYHOOK_DASHBOARD_PORT or 9181")
 
     p = add("check", cmd_check, "print active alerts; exit 1 when any is active, else 0")
     p.add_argument("--all", action="store_true", help="print every signal, active or not")

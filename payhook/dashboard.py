@@ -103,6 +103,8 @@ class DashboardConfig:
         port = DEFAULT_PORT
         if "PAYHOOK_DASHBOARD_PORT" in extra:
             port = positive_int("PAYHOOK_DASHBOARD_PORT", extra["PAYHOOK_DASHBOARD_PORT"])
+            if port > 65535:
+                raise SettingsError(f"PAYHOOK_DASHBOARD_PORT: expected 1 to 65535, got {port}")
         user = extra.get("PAYHOOK_DASHBOARD_USER") or DEFAULT_USER
         if ":" in user:
             raise SettingsError("PAYHOOK_DASHBOARD_USER: a basic-auth user cannot contain ':'")

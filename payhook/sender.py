@@ -198,8 +198,14 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         raise PayhookError("--concurrency must be at least 1")
     if args.amount < 0:
         raise PayhookError("--amount must be a whole number of minor units, zero or more")
-    if not args.url.startswith(("http://", "https://")):
+    try:
+        url = httpx.URL(args.url)
+    except httpx.InvalidURL as exc:
+        raise PayhookError(f"--url: {exc}") from None
+    if url.scheme not in ("http", "https") or not url.host:
         raise PayhookError("--url must be an http:// or https:// URL")
+    if args.event_id is not None and not (args.event_id.isascii() and args.event_id.isprintable()):
+        raise PayhookError("--event-id: printable ASCII only (it travels in a header)")
     event = Event(
         gateway=args.gateway,
         event_type=args.type or DEFAULT_TYPES[args.gateway],

@@ -87,7 +87,7 @@ def test_each_compose_command_starts(settings: Settings, redis_conn: Redis, tmp_
 
 def test_the_dashboard_refuses_a_public_address_without_a_password(settings: Settings) -> None:
     refused = subprocess.run(
-        [sys.executable, "-m", "payhook.cli", "dashboard", "--host", "0.0.0.0", "--port", "0"],
+        [sys.executable, "-m", "payhook.cli", "dashboard", "--host", "0.0.0.0", "--port", "18181"],
         env=process_env(settings),
         capture_output=True,
         text=True,
