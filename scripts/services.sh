@@ -8,6 +8,11 @@ PGPORT=${PGPORT:-5432}
 REDIS_PORT=${REDIS_PORT:-6379}
 
 pg_up() { pg_isready -q -h "$PGHOST" -p "$PGPORT" 2>/dev/null; }
+# pg_isready does not log in: this does, as the tests and `make run` will.
+pg_login() {
+  PGPASSWORD= psql -w -h "$PGHOST" -p "$PGPORT" -U postgres -d postgres -Atqc 'select 1' \
+    >/dev/null 2>&1
+}
 redis_up() { redis-cli -h 127.0.0.1 -p "$REDIS_PORT" ping 2>/dev/null | grep -q PONG; }
 
 wait_for() {
@@ -37,6 +42,16 @@ if ! pg_up; then
     cluster=$(pg_lsclusters -h 2>/dev/null | awk -v port="$PGPORT" '$3 == port {print $1, $2; exit}')
     if [ -n "$cluster" ] && pg_ctlcluster --skip-systemctl-redirect $cluster start; then
       started=yes
+      # Debian's clusters ask a password over TCP (scram-sha-256); payhook's
+      # local URLs carry none: trust the postgres user from this host only.
+      if wait_for PostgreSQL pg_up 2>/dev/null && ! pg_login; then
+        hba=$(ls "/etc/postgresql/${cluster// //}/pg_hba.conf" 2>/dev/null || true)
+        if [ -n "$hba" ]; then
+          echo "services: trusting postgres from $PGHOST in $hba" >&2
+          sed -i "1i host all postgres $PGHOST/32 trust" "$hba"
+          pg_ctlcluster --skip-systemctl-redirect $cluster reload
+        fi
+      fi
     fi
   fi
   if [ "$started" = no ] || ! wait_for PostgreSQL pg_up 2>/dev/null; then
@@ -60,5 +75,9 @@ if ! redis_up; then
     --dir /var/tmp/payhook-redis --appendonly yes --appendfsync always \
     --logfile /var/tmp/payhook-redis/redis.log
   wait_for Redis redis_up
+fi
+if ! pg_login; then
+  echo "services: PostgreSQL on $PGHOST:$PGPORT answers but refuses user postgres" \
+    "without a password; set PAYHOOK_TEST_PG (tests) or DATABASE_URL" >&2
 fi
 echo "services: PostgreSQL and Redis answer" >&2
