@@ -271,7 +271,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gateway-order-id", required=True)
     p.add_argument("--amount", type=int, required=True, help="in minor units")
     p.add_argument("--currency", default="EUR")
-    p.add_argument("--event-id", help="fixed event id (default: a new one)")
+    p.add_argument(
+        "--event-id",
+        help="fixed event id (default: a new one); sent again, the same body: a redelivery",
+    )
+    p.add_argument(
+        "--occurred-at",
+        help="when the event happened, ISO 8601 (default: now; with --event-id, 00:00 UTC today)",
+    )
     p.add_argument("--copies", type=int, default=1, help="send the same signed event N times")
     p.add_argument("--concurrency", type=int, default=1)
 

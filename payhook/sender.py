@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import time
 import uuid
@@ -43,6 +44,9 @@ class Event:
     currency: str
     merchant_reference: str | None = None
     event_id: str | None = None
+    #: When the event happened (Unix seconds), as its body says; None: a
+    #: new event happens now, and a given event id at midnight UTC today.
+    occurred_at: int | None = None
 
 
 @dataclass(frozen=True)
@@ -55,9 +59,10 @@ class SignedRequest:
 def sign_event(event: Event, secret: str, timestamp: int | None = None) -> SignedRequest:
     """The body and headers a gateway would send for `event`, signed with `secret`."""
     timestamp = int(time.time()) if timestamp is None else timestamp
+    occurred = _occurred_at(event, timestamp)
     if event.gateway == "standard":
         event_id = event.event_id or f"msg_{uuid.uuid4().hex}"
-        body = standard_body(event, timestamp)
+        body = standard_body(event, occurred)
         try:
             signature = standard.sign(secret, event_id, timestamp, body)
         except ValueError as exc:
@@ -69,13 +74,30 @@ def sign_event(event: Event, secret: str, timestamp: int | None = None) -> Signe
         }
     elif event.gateway == "stripe":
         event_id = event.event_id or f"evt_{uuid.uuid4().hex[:24]}"
-        body = stripe_body(event, event_id, timestamp)
+        body = stripe_body(event, event_id, occurred)
         headers = {"stripe-signature": stripe.sign(secret, timestamp, body)}
     else:
         raise PayhookError(f"--gateway: expected standard or stripe, got {event.gateway!r}")
     headers["content-type"] = "application/json"
     headers["user-agent"] = "payhook-send"
     return SignedRequest(event_id, body, headers)
+
+
+def _occurred_at(event: Event, now: int) -> int:
+    """The body's time. Sending a given event id again must repeat its body,
+    as a gateway's redelivery does (else payhook sees other content under
+    the same id: a digest conflict), so by default such an event happened at
+    midnight UTC of the day it is sent."""
+    if event.occurred_at is not None:
+        return event.occurred_at
+    return now - now % 86400 if event.event_id else now
+
+
+def _object_id(prefix: str, event: Event, event_id: str) -> str:
+    """A Stripe object id: new for a new event, the same for every send of a given id."""
+    if event.event_id is None:
+        return f"{prefix}_{uuid.uuid4().hex[:24]}"
+    return f"{prefix}_{hashlib.sha256(f'{prefix}:{event_id}'.encode()).hexdigest()[:24]}"
 
 
 def standard_body(event: Event, timestamp: int) -> bytes:
@@ -101,10 +123,10 @@ def stripe_body(event: Event, event_id: str, timestamp: int) -> bytes:
     obj: dict[str, Any]
     if event.event_type.startswith("charge.dispute."):
         obj = {
-            "id": f"dp_{uuid.uuid4().hex[:24]}",
+            "id": _object_id("dp", event, event_id),
             "object": "dispute",
             "amount": event.amount,
-            "charge": f"ch_{uuid.uuid4().hex[:24]}",
+            "charge": _object_id("ch", event, event_id),
             "currency": currency,
             "payment_intent": event.gateway_order_id,
             "reason": "fraudulent",
@@ -113,7 +135,7 @@ def stripe_body(event: Event, event_id: str, timestamp: int) -> bytes:
         }
     elif event.event_type.startswith("charge."):
         obj = {
-            "id": f"ch_{uuid.uuid4().hex[:24]}",
+            "id": _object_id("ch", event, event_id),
             "object": "charge",
             "amount": event.amount,
             "amount_captured": event.amount,
@@ -214,8 +236,21 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         currency=args.currency,
         merchant_reference=args.merchant_ref,
         event_id=args.event_id,
+        occurred_at=_parse_occurred_at(args.occurred_at),
     )
     request = sign_event(event, args.secret)
     results = asyncio.run(send_copies(args.url, request, args.copies, args.concurrency))
     accepted = all(200 <= result.get("status", 0) < 300 for result in results)
     return 0 if accepted else 1
+
+
+def _parse_occurred_at(value: str | None) -> int | None:
+    if value is None:
+        return None
+    try:
+        moment = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        raise PayhookError(f"--occurred-at: expected an ISO 8601 time, got {value!r}") from None
+    if moment.tzinfo is None:
+        raise PayhookError("--occurred-at: give a time zone, e.g. 2026-11-30T09:00:00Z")
+    return int(moment.timestamp())

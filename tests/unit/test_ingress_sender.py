@@ -99,3 +99,38 @@ def test_refusals_and_connection_errors_are_reported_per_copy(
     refused, down = (json.loads(line) for line in capsys.readouterr().out.splitlines())
     assert refused["status"] == 503 and refused["retry_after"] == "5"
     assert "ConnectError" in down["error"] and "status" not in down
+
+
+@pytest.mark.parametrize(
+    ("gateway", "event_type"),
+    [
+        ("standard", "payment.succeeded"),
+        ("stripe", "payment_intent.succeeded"),
+        ("stripe", "charge.refunded"),
+        ("stripe", "charge.dispute.created"),
+    ],
+)
+def test_sending_a_given_event_id_again_is_a_redelivery_not_new_content(
+    gateway: str, event_type: str
+) -> None:
+    """A gateway's redelivery repeats the event's content: so does a second
+    `payhook send --event-id`, signed later, else payhook would see other
+    content under the same id (a digest conflict, a security alert)."""
+    secret = STANDARD_SECRET if gateway == "standard" else STRIPE_SECRET
+    adapter = get_gateway(gateway)
+
+    def digest(event: Event, at: int) -> str:
+        signed = sign_event(event, secret, timestamp=at)
+        return adapter.parse(signed.headers, signed.body).digest
+
+    now = int(time.time())
+    given = Event(gateway, event_type, "pi_1", 500, "EUR", "order-1", event_id="evt_again")
+    assert digest(given, now) == digest(given, now + 7)
+    if gateway == "stripe":  # the id is in a Stripe body, object ids derive from it
+        other = Event(gateway, event_type, "pi_1", 500, "EUR", "order-1", event_id="evt_other")
+        assert digest(other, now) != digest(given, now)
+    fresh = Event(gateway, event_type, "pi_1", 500, "EUR", "order-1")
+    assert digest(fresh, now) != digest(fresh, now + 7), "a new event each time"
+    stated = Event(gateway, event_type, "pi_1", 500, "EUR", "order-1", "evt_again", 1_700_000_000)
+    signed = sign_event(stated, secret, timestamp=now)
+    assert adapter.parse(signed.headers, signed.body).occurred_at.timestamp() == 1_700_000_000
