@@ -24,12 +24,24 @@ Pool = ConnectionPool[psycopg.Connection[Row]]
 
 
 def connection_kwargs(component: str) -> dict[str, Any]:
-    """Options for every connection a payhook process opens."""
+    """Options for every connection a payhook process opens.
+
+    A server lost without a word (a network partition, a host gone: no RST)
+    would leave a read waiting for the kernel's own keepalive, two hours by
+    default; these find it in about a minute. Probes are answered by the
+    server's kernel, so a long statement is never cut by them.
+    """
     return {
         "autocommit": True,
         "row_factory": dict_row,
         "application_name": f"{APPLICATION_NAME}-{component}",
         "connect_timeout": CONNECT_TIMEOUT,
+        "keepalives": 1,
+        "keepalives_idle": 30,
+        "keepalives_interval": 10,
+        "keepalives_count": 3,
+        # Data sent and not acknowledged for this long: the server is gone.
+        "tcp_user_timeout": 60_000,
     }
 
 

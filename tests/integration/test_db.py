@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -10,7 +11,7 @@ import psycopg
 import pytest
 from psycopg import pq
 
-from payhook.db import Row, connect, pipelined_transaction
+from payhook.db import Row, connect, connection_kwargs, create_pool, pipelined_transaction
 from payhook.settings import Settings
 from tests.locks import released_after
 
@@ -120,3 +121,42 @@ def test_interrupted_while_the_final_sync_waits_on_a_lock_cancels_and_commits_no
         check.execute("SET lock_timeout = '5s'")
         assert check.execute("UPDATE locked SET seen = seen WHERE n = 1").rowcount == 1
         assert check.execute("SELECT seen FROM locked").fetchone() == {"seen": 0}
+
+
+def test_every_connection_finds_a_silently_lost_server_within_about_a_minute(
+    settings: Settings,
+) -> None:
+    """TCP keepalives and a user timeout, not the kernel's two hours: on pooled
+    connections, one-off ones and the ingress's asynchronous reader alike."""
+
+    wanted = {
+        "keepalives_idle": "30",
+        "keepalives_interval": "10",
+        "keepalives_count": "3",
+        "tcp_user_timeout": "60000",
+    }
+
+    def used(conn: psycopg.Connection[Row] | psycopg.AsyncConnection[Row]) -> dict[str, str]:
+        found = conn.info.get_parameters()
+        return {k: found.get(k, "") for k in wanted}
+
+    with connect(settings) as one:
+        assert used(one) == wanted
+    pool = create_pool(settings, "test", size=1)
+    pool.open(wait=True)
+    try:
+        with pool.connection() as pooled:
+            assert used(pooled) == wanted
+    finally:
+        pool.close()
+
+    async def reader() -> dict[str, str]:
+        conn = await psycopg.AsyncConnection.connect(
+            settings.database_url, **connection_kwargs("ingress")
+        )
+        try:
+            return used(conn)
+        finally:
+            await conn.close()
+
+    assert asyncio.run(reader()) == wanted
