@@ -597,13 +597,17 @@ def _wait_ready(url: str, children: list[Child], stopping: Stopping) -> bool:
 
 
 def _check_port(host: str, port: int, option: str) -> None:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((host, port))
-        except OSError as exc:
-            reason = exc.strerror or str(exc)
-            raise SettingsError(f"{option}: cannot listen on {host}:{port}: {reason}") from None
+    """Refuse, naming `option`, a host and port nothing could listen on (IPv4 or IPv6)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(address)
+    except OSError as exc:  # socket.gaierror included
+        reason = exc.strerror or str(exc)
+        raise SettingsError(f"{option}: cannot listen on {host}:{port}: {reason}") from None
 
 
 def _postgres_answers(url: str) -> bool:
@@ -642,7 +646,12 @@ _PASSWORD_PARAMETER = re.compile(r"(\bpassword\s*=\s*)('(?:[^'\\]|\\.)*'|[^\s&]+
 
 
 def _display_host(host: str) -> str:
-    return "127.0.0.1" if host in {"0.0.0.0", "::", ""} else host
+    """The host part of a URL that reaches `host` from this machine."""
+    if host in {"0.0.0.0", ""}:
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host else host
 
 
 def _readable(text: str) -> str:

@@ -5,7 +5,10 @@ from __future__ import annotations
 import io
 import json
 import shlex
+import socket
 from pathlib import Path
+
+import pytest
 
 from payhook.cli import build_parser
 from payhook.stack import (
@@ -97,3 +100,25 @@ def test_urls_are_shown_without_their_passwords() -> None:
     assert _safe_url("postgresql://db/p?sslmode=require&password=s3cret&x=1") == (
         "postgresql://db/p?sslmode=require&password=***&x=1"
     )
+
+
+def test_the_ingress_host_may_be_ipv6_and_its_urls_bracket_it() -> None:
+    from payhook.errors import SettingsError
+    from payhook.stack import _check_port, _display_host
+
+    assert [_display_host(h) for h in ("0.0.0.0", "::", "::1", "127.0.0.1", "localhost")] == [
+        "127.0.0.1",
+        "[::1]",
+        "[::1]",
+        "127.0.0.1",
+        "localhost",
+    ]
+    with pytest.raises(SettingsError, match=r"^--port: cannot listen on no-such-host\.invalid"):
+        _check_port("no-such-host.invalid", 8000, "--port")
+    _check_port("127.0.0.1", 0, "--port")
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback on this machine")
+    _check_port("::1", 0, "--port")
