@@ -94,7 +94,8 @@ class PostgresEndpoints:
         try:
             if self._conn is None or self._conn.closed:
                 self._conn = await psycopg.AsyncConnection.connect(
-                    self._url, **(connection_kwargs("ingress") | {"row_factory": dict_row})
+                    self._url,
+                    **(connection_kwargs("ingress", self._url) | {"row_factory": dict_row}),
                 )
             if self._version is not None and time.monotonic() - self._read_at < self._full_reload:
                 cursor = await self._conn.execute(query("endpoint_version"))

@@ -8,6 +8,7 @@ from typing import Any
 
 import psycopg
 from psycopg import pq
+from psycopg.conninfo import conninfo_to_dict
 from psycopg.rows import dict_row
 from psycopg_pool import ConnectionPool
 
@@ -23,26 +24,30 @@ Row = dict[str, Any]
 Pool = ConnectionPool[psycopg.Connection[Row]]
 
 
-def connection_kwargs(component: str) -> dict[str, Any]:
-    """Options for every connection a payhook process opens.
+#: TCP settings of every connection a payhook process holds, unless its URL
+#: sets them. A server lost without a word (a network partition, a host gone:
+#: no RST) would leave a read waiting for the kernel's own keepalive, two hours
+#: by default; these find it in about a minute. Probes are answered by the
+#: server's kernel, so a long statement is never cut by them.
+KEEPALIVES: dict[str, int] = {
+    "keepalives": 1,
+    "keepalives_idle": 30,
+    "keepalives_interval": 10,
+    "keepalives_count": 3,
+    # Data sent and not acknowledged for this long: the server is gone.
+    "tcp_user_timeout": 60_000,
+}
 
-    A server lost without a word (a network partition, a host gone: no RST)
-    would leave a read waiting for the kernel's own keepalive, two hours by
-    default; these find it in about a minute. Probes are answered by the
-    server's kernel, so a long statement is never cut by them.
-    """
+
+def connection_kwargs(component: str, url: str) -> dict[str, Any]:
+    """Options for every connection a payhook process holds to `url`."""
+    given = conninfo_to_dict(url)
     return {
         "autocommit": True,
         "row_factory": dict_row,
         "application_name": f"{APPLICATION_NAME}-{component}",
         "connect_timeout": CONNECT_TIMEOUT,
-        "keepalives": 1,
-        "keepalives_idle": 30,
-        "keepalives_interval": 10,
-        "keepalives_count": 3,
-        # Data sent and not acknowledged for this long: the server is gone.
-        "tcp_user_timeout": 60_000,
-    }
+    } | {name: value for name, value in KEEPALIVES.items() if name not in given}
 
 
 def create_pool(
@@ -58,7 +63,7 @@ def create_pool(
     no idle transaction may last longer: the server ends it.
     """
     size = size or settings.db_pool_size
-    kwargs = connection_kwargs(component)
+    kwargs = connection_kwargs(component, settings.database_url)
     if statement_timeout is not None:
         ms = max(1, int(statement_timeout * 1000))
         kwargs["options"] = f"-c statement_timeout={ms} -c idle_in_transaction_session_timeout={ms}"
@@ -79,7 +84,7 @@ def connect(
     settings: Settings, component: str = "cli", **overrides: Any
 ) -> psycopg.Connection[Row]:
     """One connection, for commands and tests."""
-    kwargs = connection_kwargs(component) | overrides
+    kwargs = connection_kwargs(component, settings.database_url) | overrides
     return psycopg.connect(settings.database_url, **kwargs)
 
 

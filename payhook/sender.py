@@ -54,6 +54,8 @@ class SignedRequest:
     event_id: str
     body: bytes
     headers: dict[str, str]
+    #: When the event happened, as the body says (Unix seconds).
+    occurred_at: int = 0
 
 
 def sign_event(event: Event, secret: str, timestamp: int | None = None) -> SignedRequest:
@@ -80,14 +82,19 @@ def sign_event(event: Event, secret: str, timestamp: int | None = None) -> Signe
         raise PayhookError(f"--gateway: expected standard or stripe, got {event.gateway!r}")
     headers["content-type"] = "application/json"
     headers["user-agent"] = "payhook-send"
-    return SignedRequest(event_id, body, headers)
+    return SignedRequest(event_id, body, headers, occurred)
+
+
+def _iso(seconds: int) -> str:
+    return datetime.fromtimestamp(seconds, UTC).isoformat().replace("+00:00", "Z")
 
 
 def _occurred_at(event: Event, now: int) -> int:
     """The body's time. Sending a given event id again must repeat its body,
     as a gateway's redelivery does (else payhook sees other content under
     the same id: a digest conflict), so by default such an event happened at
-    midnight UTC of the day it is sent."""
+    midnight UTC of the day it is sent; each response line prints it, for
+    `--occurred-at` on a later day."""
     if event.occurred_at is not None:
         return event.occurred_at
     return now - now % 86400 if event.event_id else now
@@ -198,7 +205,11 @@ async def send_copies(
                     if "retry-after" in response.headers:
                         result["retry_after"] = response.headers["retry-after"]
                 elapsed = round((time.perf_counter() - started) * 1000, 1)
-                line = {"copy": copy, "event_id": request.event_id} | result | {"ms": elapsed}
+                line = (
+                    {"copy": copy, "event_id": request.event_id}
+                    | result
+                    | {"ms": elapsed, "occurred_at": _iso(request.occurred_at)}
+                )
                 print(json.dumps(line), flush=True)
                 return line
 
@@ -227,7 +238,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     if url.scheme not in ("http", "https") or not url.host:
         raise PayhookError("--url must be an http:// or https:// URL")
     if args.event_id is not None and not (args.event_id.isascii() and args.event_id.isprintable()):
-        raise PayhookError("--event-id: printable ASCII only (it travels in a header)")
+        raise PayhookError("--event-id: printable ASCII only, as gateways send them")
     event = Event(
         gateway=args.gateway,
         event_type=args.type or DEFAULT_TYPES[args.gateway],

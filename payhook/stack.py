@@ -269,8 +269,11 @@ def run(
     configure_logging(settings.log_level, stream=LineWriter(out))  # type: ignore[arg-type]
     logging.getLogger("pgserver").setLevel(logging.WARNING)
     stopping = Stopping()
-    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(signum, stopping)
+    signal.signal(signal.SIGTERM, stopping)
+    signal.signal(signal.SIGINT, stopping)
+    # Unless started under nohup, which asks for the terminal's end to be ignored.
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+        signal.signal(signal.SIGHUP, stopping)
     _check_port(options.host, options.port, "--port")
     _check_port("127.0.0.1", options.dashboard_port, "--dashboard-port")
     state_dir = options.state_dir.resolve()
@@ -390,13 +393,16 @@ def start_embedded_postgres(pgdata: Path) -> tuple[str, Callable[[], None]]:
         # platformdirs warns when XDG_RUNTIME_DIR is unset, as on most servers.
         warnings.simplefilter("ignore")
         try:
-            from pgserver.postgres_server import get_server
+            from pgserver.postgres_server import PostgresServer, get_server
         except ImportError:
             raise SettingsError(
                 "no PostgreSQL answers and pgserver is not installed: set DATABASE_URL, "
                 "start PostgreSQL, or `pip install pgserver`"
             ) from None
-        _forget_dead_holders(pgdata)
+        # Under pgserver's own lock, as its holders change: a run starting
+        # meanwhile must not be dropped from the list.
+        with PostgresServer._lock:
+            _forget_dead_holders(pgdata)
         server = get_server(pgdata, cleanup_mode="stop")
     return str(server.get_uri(database="payhook")), server.cleanup
 

@@ -43,12 +43,14 @@ if ! pg_up; then
     if [ -n "$cluster" ] && pg_ctlcluster --skip-systemctl-redirect $cluster start; then
       started=yes
       # Debian's clusters ask a password over TCP (scram-sha-256); payhook's
-      # local URLs carry none: trust the postgres user from this host only.
+      # local URLs carry none: trust the postgres user from 127.0.0.1 only.
       if wait_for PostgreSQL pg_up 2>/dev/null && ! pg_login; then
-        hba=$(ls "/etc/postgresql/${cluster// //}/pg_hba.conf" 2>/dev/null || true)
-        if [ -n "$hba" ]; then
-          echo "services: trusting postgres from $PGHOST in $hba" >&2
-          sed -i "1i host all postgres $PGHOST/32 trust" "$hba"
+        hba=$(pg_conftool $cluster show -s hba_file 2>/dev/null ||
+          ls "/etc/postgresql/${cluster// //}/pg_hba.conf" 2>/dev/null || true)
+        line="host all postgres 127.0.0.1/32 trust"
+        if [ -n "$hba" ] && ! grep -qxF "$line" "$hba"; then
+          echo "services: trusting postgres from 127.0.0.1 in $hba" >&2
+          sed -i "1i $line" "$hba"
           pg_ctlcluster --skip-systemctl-redirect $cluster reload
         fi
       fi

@@ -42,8 +42,13 @@ def newcomer_env() -> dict[str, str]:
 
 
 def start_up(
-    args: list[str], env: dict[str, str], cwd: Path
+    args: list[str], env: dict[str, str], cwd: Path, *, nohup: bool = False
 ) -> tuple[subprocess.Popen[bytes], Path]:
+    """`payhook up ARGS`, output to a log; with `nohup`, SIGHUP ignored, as `nohup` starts it."""
+
+    def ignore_hangup() -> None:
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
     log = cwd / "up.log"
     with log.open("wb") as handle:
         up = subprocess.Popen(
@@ -52,6 +57,7 @@ def start_up(
             env=env,
             stdout=handle,
             stderr=subprocess.STDOUT,
+            preexec_fn=ignore_hangup if nohup else None,
         )
     return up, log
 
@@ -229,6 +235,32 @@ def test_up_uses_the_configured_services_and_stops_all_when_a_child_dies(
         assert up.wait(timeout=60) == 1
         assert "outbox exited with status -9; stopping all" in log.read_text()
         assert alive(children) == []
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nohup", [False, True])
+def test_a_closed_terminal_stops_up_unless_it_runs_under_nohup(
+    settings: Settings, tmp_path: Path, nohup: bool
+) -> None:
+    env = process_env(settings)
+    args = ["--port", str(free_port()), "--dashboard-port", str(free_port()), "--consumers", "1"]
+    up, log = start_up(args, env, tmp_path, nohup=nohup)
+    try:
+        wait_for_banner(up, log)
+        children = psutil.Process(up.pid).children(recursive=True)
+        up.send_signal(signal.SIGHUP)
+        if nohup:
+            with pytest.raises(subprocess.TimeoutExpired):
+                up.wait(timeout=3)
+            up.send_signal(signal.SIGTERM)
+        assert up.wait(timeout=60) == 0, log.read_text()[-4000:]
+        assert alive(children) == []
+        stopped_by = "SIGTERM: stopping" if nohup else "SIGHUP: stopping"
+        assert stopped_by in log.read_text()
     finally:
         if up.poll() is None:
             up.kill()

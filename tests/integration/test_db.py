@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import psycopg
 import pytest
 from psycopg import pq
 
-from payhook.db import Row, connect, connection_kwargs, create_pool, pipelined_transaction
+from ingress.endpoints import PostgresEndpoints
+from payhook.db import Row, connect, create_pool, pipelined_transaction
 from payhook.settings import Settings
 from tests.locks import released_after
 
@@ -127,8 +130,8 @@ def test_every_connection_finds_a_silently_lost_server_within_about_a_minute(
     settings: Settings,
 ) -> None:
     """TCP keepalives and a user timeout, not the kernel's two hours: on pooled
-    connections, one-off ones and the ingress's asynchronous reader alike."""
-
+    connections, one-off ones and the ingress's endpoint reader alike; what
+    the URL sets itself is kept."""
     wanted = {
         "keepalives_idle": "30",
         "keepalives_interval": "10",
@@ -136,7 +139,7 @@ def test_every_connection_finds_a_silently_lost_server_within_about_a_minute(
         "tcp_user_timeout": "60000",
     }
 
-    def used(conn: psycopg.Connection[Row] | psycopg.AsyncConnection[Row]) -> dict[str, str]:
+    def used(conn: psycopg.Connection[Row] | psycopg.AsyncConnection[Any]) -> dict[str, str]:
         found = conn.info.get_parameters()
         return {k: found.get(k, "") for k in wanted}
 
@@ -151,12 +154,18 @@ def test_every_connection_finds_a_silently_lost_server_within_about_a_minute(
         pool.close()
 
     async def reader() -> dict[str, str]:
-        conn = await psycopg.AsyncConnection.connect(
-            settings.database_url, **connection_kwargs("ingress")
-        )
+        endpoints = PostgresEndpoints(settings.database_url)
         try:
-            return used(conn)
+            await endpoints()
+            assert endpoints._conn is not None
+            return used(endpoints._conn)
         finally:
-            await conn.close()
+            await endpoints.close()
 
     assert asyncio.run(reader()) == wanted
+
+    own = dataclasses.replace(
+        settings, database_url=f"{settings.database_url}?keepalives_idle=5&tcp_user_timeout=0"
+    )
+    with connect(own) as tuned:
+        assert used(tuned) == wanted | {"keepalives_idle": "5", "tcp_user_timeout": "0"}
