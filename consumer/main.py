@@ -52,4 +52,9 @@ def run(settings: Settings, burst: bool = False) -> int:
     finally:
         install_runtime(None)
         pool.close()
+    if not burst and not worker.stop_requested_by_signal:
+        # RQ ended its loop on an error (logged above): exit so that a
+        # supervisor restarts the consumer, rather than report success.
+        log.error("consumer_stopped_unexpectedly", worker=worker.name)
+        return 1
     return 0

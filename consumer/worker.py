@@ -102,6 +102,13 @@ class PayhookWorker(SimpleWorker):
     job_class = PayhookJob
     queue_class = PayhookQueue
     job_grace = 15
+    #: A signal asked the worker to stop. RQ's loop also ends, quietly, on a
+    #: Redis timeout or any error it did not expect: then this stays False.
+    stop_requested_by_signal = False
+
+    def request_stop(self, signum: Any, frame: Any) -> None:
+        self.stop_requested_by_signal = True
+        super().request_stop(signum, frame)  # type: ignore[no-untyped-call]
 
     @property
     def dequeue_timeout(self) -> int:

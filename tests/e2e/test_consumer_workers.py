@@ -6,6 +6,9 @@ import dataclasses
 import json
 import signal
 import socket
+import subprocess
+import sys
+import time
 import uuid
 import zlib
 from collections import Counter
@@ -18,6 +21,7 @@ from rq.job import Job, JobStatus
 from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 from rq.webhook import Webhook
+from rq.worker import Worker
 
 from payhook.queue import APPLY_EVENT, enqueue_event, events_queue
 from payhook.settings import Settings
@@ -224,3 +228,50 @@ def test_registry_cleaning_lock_of_a_killed_worker_expires_within_a_minute(
     assert queue.acquire_maintenance_lock()
     assert not queue.acquire_maintenance_lock(), "one cleaner at a time"
     assert 0 < redis_conn.ttl(queue.registry_cleaning_key) <= 60
+
+
+BROKEN_LOOP = """
+import sys
+from consumer.worker import PayhookWorker
+from payhook.cli import main
+
+def broken(self, timeout, max_idle_time=None):
+    raise RuntimeError("something RQ did not expect")
+
+PayhookWorker.dequeue_job_and_maintain_ttl = broken
+sys.exit(main(["consumer"]))
+"""
+
+
+def test_a_consumer_exits_0_when_told_to_stop_and_1_when_its_loop_broke(
+    settings: Settings, redis_conn: Redis, tmp_path: Path
+) -> None:
+    """RQ ends its loop quietly on a Redis timeout or an error it did not
+    expect; reporting success then would keep a supervisor that restarts on
+    failure from bringing the consumer back."""
+    log = tmp_path / "told.log"
+    told = start(["consumer"], process_env(settings), log)
+    try:
+        wait_until(
+            lambda: any(w.name in log.read_text() for w in Worker.all(connection=redis_conn)),
+            30,
+            "the consumer to register",
+        )
+        time.sleep(1)  # RQ installs its signal handlers once registered
+    finally:
+        code = stop(told)
+    assert code == 0, log.read_text()[-2000:]
+
+    broken = subprocess.Popen(
+        [sys.executable, "-c", BROKEN_LOOP],
+        env=process_env(settings),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        output, _ = broken.communicate(timeout=60)
+    finally:
+        stop(broken)
+    assert broken.returncode == 1, output.decode()[-2000:]
+    assert b"consumer_stopped_unexpectedly" in output
