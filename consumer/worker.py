@@ -50,7 +50,11 @@ class PayhookJob(Job):
         if self._refused is not None:
             self.retries_left = 0
             raise ForbiddenJob(f"job {self.id} carries {self._refused}, which payhook never writes")
-        if not isinstance(name, str) or name not in self.allowed_functions or self.instance:
+        if (
+            not isinstance(name, str)
+            or name not in self.allowed_functions
+            or self.instance is not None
+        ):
             self.retries_left = 0
             raise ForbiddenJob(f"job {self.id} names {name!r}, which payhook does not run")
         return super().func
