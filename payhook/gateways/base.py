@@ -155,6 +155,8 @@ def require_amount(data: Mapping[str, Any], key: str) -> int:
 
 def require_currency(data: Mapping[str, Any], key: str) -> str:
     value = data.get(key)
-    if not isinstance(value, str) or len(value) != 3 or not value.isalpha():
+    # ASCII letters only: `str.upper` turns some other letters into ASCII ones
+    # (U+017F, a long s, into S) or into two (U+00DF into SS).
+    if not isinstance(value, str) or len(value) != 3 or not (value.isascii() and value.isalpha()):
         raise MalformedEvent(f"{key}: expected a three-letter currency code")
     return value.upper()

@@ -192,6 +192,16 @@ class TestStripe:
             {"stripe-signature": header}, body, [self.secret], now=NOW, tolerance=300
         )
 
+    def test_an_empty_secret_written_by_hand_never_verifies(self) -> None:
+        """The commands refuse one; a row written otherwise must not turn an
+        empty HMAC key, which anybody can sign with, into a valid secret."""
+        body = stripe_body()
+        forged = stripe.WebhookSignature.generate_signature_header(body.decode(), "", int(NOW))
+        with pytest.raises(SignatureMismatch):
+            self.gateway.verify(
+                {"stripe-signature": forged}, body, ["", self.secret], now=NOW, tolerance=300
+            )
+
     @pytest.mark.parametrize("part", ["body", "timestamp", "secret"])
     def test_tampering_is_rejected(self, part: str) -> None:
         body = stripe_body()
@@ -304,3 +314,13 @@ def test_bodies_json_reads_but_utf8_cannot_hold_are_digested_not_raised() -> Non
         with pytest.raises(MalformedEvent):
             stripe_gateway.parse({}, body)
         assert len(stripe_gateway.unreadable_digest(body)) == 64
+
+
+@pytest.mark.parametrize("currency", ["u\u017fd", "\u0131so", "\u00df\u00df\u00df", "US1", "US"])
+def test_a_currency_is_three_ascii_letters_before_it_is_upper_cased(currency: str) -> None:
+    """`str.upper` turns U+017F (long s) into S and U+00DF into SS: "u\u017fd"
+    must not become USD."""
+    body = json.loads(stripe_body())
+    body["data"]["object"]["currency"] = currency
+    with pytest.raises(MalformedEvent, match="currency"):
+        StripeGateway().parse({}, json.dumps(body).encode())
