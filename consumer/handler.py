@@ -59,33 +59,6 @@ def handle(runtime: Runtime, data: object) -> Applied:
     structlog.contextvars.bind_contextvars(
         delivery_id=envelope.delivery_id, endpoint_id=envelope.endpoint_id
     )
-    try:
-        result = _handle(runtime, envelope)
-    except psycopg.OperationalError as exc:
-        if not connection_lost(exc):
-            raise
-        # The server ended or lost the pooled connection (a restart, a
-        # failover, an administrator): the pool's other idle connections
-        # went with it. Drop them and go again, once; whatever the lost
-        # connection committed, the receipt makes a second run a duplicate.
-        log.warning("database_connection_lost", error=exc.__class__.__name__)
-        runtime.pool.check()
-        result = _handle(runtime, envelope)
-    if FAULT_KILL_AFTER_COMMIT in runtime.settings.faults:
-        log.warning("fault_kill_after_commit")
-        os.kill(os.getpid(), signal.SIGKILL)
-    return result
-
-
-def connection_lost(exc: psycopg.OperationalError) -> bool:
-    """Whether `exc` means the connection is gone (SQLSTATE class 08, the
-    server shutting down or restarting, or no SQLSTATE at all: libpq lost
-    the socket), not a statement that failed on a live one."""
-    state = exc.sqlstate
-    return state is None or state.startswith("08") or state in {"57P01", "57P02", "57P03"}
-
-
-def _handle(runtime: Runtime, envelope: Envelope) -> Applied:
     with runtime.pool.connection() as conn:
         endpoint, fresh = runtime.endpoints.get(conn, envelope.endpoint_id)
         if endpoint is None:
@@ -129,6 +102,9 @@ def _handle(runtime: Runtime, envelope: Envelope) -> Applied:
             _count_retries(runtime, exc.attempts)
             raise
         _count_retries(runtime, result.retries)
+    if FAULT_KILL_AFTER_COMMIT in runtime.settings.faults:
+        log.warning("fault_kill_after_commit")
+        os.kill(os.getpid(), signal.SIGKILL)
     return result
 
 

@@ -13,7 +13,6 @@ from datetime import UTC, datetime, timedelta
 import psycopg
 import pytest
 from redis import Redis
-from structlog.testing import capture_logs
 
 from consumer.handler import CLOCK_SKEW, Runtime, handle
 from consumer.rules import Decision, Order
@@ -556,33 +555,6 @@ def test_a_null_written_among_the_secrets_by_hand_never_breaks_verification(
     assert row is not None and row["secrets"] == [shop.secret]
     assert all(isinstance(r["secret"], str) for r in row["retired_secrets"])
     assert deliver() == "ignored"
-
-
-def test_pooled_connections_the_server_ended_are_replaced_within_the_job(
-    runtime: Runtime, factory: Factory
-) -> None:
-    """After a restart, a failover or an administrator, the pool still holds
-    connections the server ended: the next job must not fail on one (a job
-    on its last retry, or requeued from the dead-letter queue, would go back
-    there with its event never applied)."""
-    shop = factory.shop()
-    factory.order(shop, "order-1", "pi_1")
-    factory.order(shop, "order-2", "pi_2")
-    first = StandardEvent(merchant_reference="order-1", gateway_order_id="pi_1")
-    assert apply(runtime, factory, shop, first) == "applied"
-    with runtime.pool.connection() as one, runtime.pool.connection() as two:
-        pids = [c.info.backend_pid for c in (one, two)]
-    ended = factory.conn.execute(
-        "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) AS n"
-        " FROM unnest(%s::int[]) AS pid",
-        (pids,),
-    ).fetchone()
-    assert ended == {"n": 2}
-    second = StandardEvent(merchant_reference="order-2", gateway_order_id="pi_2")
-    with capture_logs() as logs:
-        assert apply(runtime, factory, shop, second) == "applied"
-    assert [e["event"] for e in logs if e["log_level"] == "warning"] == ["database_connection_lost"]
-    assert factory.count("payment_event_receipts", outcome="applied") == 2
 
 
 def test_job_timeout_while_waiting_on_a_lock_cancels_the_statement(
