@@ -166,7 +166,7 @@ class SlowConnection(FakeConnection):
 
 def test_no_reply_in_time_is_a_timeout_and_a_job_expired_unsent_is_never_sent() -> None:
     connection = SlowConnection(0.3)
-    jobs_writer = JobWriter(FakePool(connection), 0.1)  # type: ignore[arg-type]
+    jobs_writer = JobWriter(FakePool(connection), 0.1, lanes=1)  # type: ignore[arg-type]
 
     async def scenario() -> list[BaseException | None]:
         first = asyncio.create_task(jobs_writer.write(job(b"in-flight")))
@@ -179,6 +179,30 @@ def test_no_reply_in_time_is_a_timeout_and_a_job_expired_unsent_is_never_sent() 
     results = asyncio.run(scenario())
     assert all(isinstance(result, TimeoutError) for result in results)
     assert connection.sent == [pack_jobs([job(b"in-flight")])]
+
+
+def test_a_second_batch_goes_out_while_the_first_waits_and_a_third_waits_for_a_lane() -> None:
+    connection = SlowConnection(0.2)
+    jobs_writer = JobWriter(FakePool(connection), 5, lanes=2)  # type: ignore[arg-type]
+    sent: list[list[bytes]] = []
+
+    async def scenario() -> None:
+        first = asyncio.create_task(jobs_writer.write(job(b"a")))
+        await asyncio.sleep(0.05)  # "a" is in flight on the first lane
+        second = asyncio.create_task(jobs_writer.write(job(b"b")))
+        await asyncio.sleep(0.05)  # "b" is in flight on the second
+        sent.append(list(connection.sent))
+        third = asyncio.gather(jobs_writer.write(job(b"c")), jobs_writer.write(job(b"d")))
+        await asyncio.sleep(0.05)  # both lanes are busy: "c" and "d" wait
+        sent.append(list(connection.sent))
+        await asyncio.gather(first, second, third)
+        sent.append(list(connection.sent))
+
+    asyncio.run(scenario())
+    a, b, c_and_d = (pack_jobs([job(b"a")]), pack_jobs([job(b"b")]),
+                     pack_jobs([job(b"c"), job(b"d")]))  # fmt: skip
+    assert sent == [[a, b], [a, b], [a, b, c_and_d]]
+    assert jobs_writer._tasks == set() and jobs_writer._in_flight == []
 
 
 def test_each_request_times_out_at_its_own_deadline_not_before() -> None:
