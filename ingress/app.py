@@ -12,12 +12,13 @@ import contextlib
 from collections.abc import AsyncIterator
 
 from starlette.applications import Starlette
+from starlette.types import Receive, Scope, Send
 
 from ingress.config import IngressConfig
 from ingress.endpoints import EndpointCache, Loader, PostgresEndpoints, Refresher
 from ingress.enqueue import Enqueuer
 from ingress.metrics import Metrics
-from ingress.routes import ROUTES
+from ingress.routes import ROUTES, WEBHOOK_PREFIX, receive_webhook
 from payhook.settings import Settings
 
 
@@ -56,6 +57,30 @@ class Ingress:
         self.metrics.endpoint_refreshes.labels("ok" if ok else "failed").inc()
 
 
+class IngressApp(Starlette):
+    """Starlette, with `POST /webhooks/{endpoint_id}` taken straight to its receiver.
+
+    Starlette's middleware and router wrap every call and every `send` of a
+    request in a layer each: 10% of the ingress's CPU per webhook, measured
+    with py-spy under wrk. The webhook route skips them; its receiver answers
+    an unexpected error with a 500 itself, as Starlette's outermost middleware
+    would. Every other request (the probes, another method on a webhook path:
+    405, an unknown path: 404) goes through Starlette as before.
+    """
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            path: str = scope["path"]
+            if path.startswith(WEBHOOK_PREFIX) and "/" not in path[len(WEBHOOK_PREFIX) :]:
+                endpoint_id = path[len(WEBHOOK_PREFIX) :]
+                if endpoint_id:
+                    scope["app"] = self
+                    scope["path_params"] = {"endpoint_id": endpoint_id}
+                    await receive_webhook(scope, receive, send)
+                    return
+        await super().__call__(scope, receive, send)
+
+
 def create_app(settings: Settings, *, load_endpoints: Loader | None = None) -> Starlette:
     """The ingress app; `load_endpoints` replaces the PostgreSQL reader (tests)."""
     ingress = Ingress(settings, load_endpoints)
@@ -68,6 +93,6 @@ def create_app(settings: Settings, *, load_endpoints: Loader | None = None) -> S
         finally:
             await ingress.stop()
 
-    app = Starlette(routes=ROUTES, lifespan=lifespan)
+    app = IngressApp(routes=ROUTES, lifespan=lifespan)
     app.state.ingress = ingress
     return app

@@ -292,6 +292,55 @@ async def test_other_methods_are_405_and_queue_nothing(harness: Harness, factory
     assert harness.jobs() == []
 
 
+async def test_paths_beside_the_webhook_route_are_starlettes_404(
+    harness: Harness, factory: Factory
+) -> None:
+    shop = factory.shop()
+    await refresh(harness)
+    event = StandardEvent()
+    body = event.body()
+    headers = event.headers(shop.secret, body)
+    for path in ("/webhooks/", f"/webhooks/{shop.endpoint_id}/more", "/webhooks"):
+        response = await harness.client.post(path, content=body, headers=headers)
+        assert response.status_code == 404, path
+    assert harness.jobs() == []
+
+
+async def test_an_unexpected_error_is_a_500_logged_and_raised(
+    harness: Harness, factory: Factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The webhook route bypasses Starlette's middleware, so it answers the 500
+    that middleware would, and raises on for the server to log the error."""
+    shop = factory.shop()
+    await refresh(harness)
+
+    class Broken(Exception):
+        pass
+
+    def broken(*args: Any) -> None:
+        raise Broken("the gateway module broke")
+
+    monkeypatch.setattr("ingress.routes.read_event_id", broken)
+    event = StandardEvent()
+    body = event.body()
+    # Raised on to the server: an in-process client sees the error itself.
+    client = httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=harness.app, raise_app_exceptions=False),
+        base_url="http://ingress",
+    )
+    with capture_logs() as logs:
+        response = await client.post(
+            f"/webhooks/{shop.endpoint_id}", content=body, headers=event.headers(shop.secret, body)
+        )
+        with pytest.raises(Broken):
+            await harness.post(shop.endpoint_id, body, event.headers(shop.secret, body))
+    await client.aclose()
+    assert response.status_code == 500 and response.json() == {"error": "internal_error"}
+    lines = [line for line in logs if line["event"] == "webhook_received"]
+    assert [line["status"] for line in lines] == [500, 500]
+    assert harness.jobs() == []
+
+
 @pytest.mark.parametrize(
     "headers",
     [
