@@ -50,6 +50,10 @@ def run(settings: Settings, host: str, port: int, workers: int = 1) -> int:
         # One structlog line per request is written by the route itself.
         access_log=False,
         server_header=False,
+        # Nothing here reads the client's address or scheme, which is all
+        # uvicorn's proxy-headers middleware rewrites: 1.5% of a webhook's
+        # CPU for nothing, measured with py-spy.
+        proxy_headers=False,
         lifespan="on",
     )
     return 0

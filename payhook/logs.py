@@ -11,7 +11,7 @@ import select
 import sys
 from datetime import UTC, datetime
 from json import dumps as json_dumps
-from typing import Any, BinaryIO, TextIO, cast
+from typing import Any, BinaryIO, TextIO
 
 import orjson
 import structlog
@@ -37,7 +37,13 @@ def dumps(event_dict: Any, **kwargs: Any) -> bytes:
 _LEVELS = {"warn": "warning", "exception": "error"}
 
 
-_RENDERER = structlog.processors.JSONRenderer(serializer=dumps)
+def _fallback(value: Any) -> Any:
+    """What JSON cannot hold: its `__structlog__()` or its repr, as structlog's
+    `JSONRenderer` writes it."""
+    try:
+        return value.__structlog__()
+    except AttributeError:
+        return repr(value)
 
 
 def json_line(logger: Any, method_name: str, event_dict: Any) -> bytes:
@@ -51,8 +57,7 @@ def json_line(logger: Any, method_name: str, event_dict: Any) -> bytes:
     event_dict["timestamp"] = datetime.now(UTC).isoformat().replace("+00:00", "Z")
     if "exc_info" in event_dict:
         event_dict = structlog.processors.format_exc_info(logger, method_name, event_dict)
-    # The renderer, not `dumps` alone: what JSON cannot hold becomes its repr.
-    return cast(bytes, _RENDERER(logger, method_name, event_dict))
+    return dumps(event_dict, default=_fallback)
 
 
 def _json_text_line(logger: Any, method_name: str, event_dict: Any) -> str:

@@ -163,6 +163,7 @@ def test_the_fused_processor_writes_structlogs_own_line_key_for_key(method_name:
         "status": 202,
         "tenant": "café",
         "odd": object.__new__(object),
+        "huge": 2**70,  # beyond orjson: rendered by json instead
         "exc_info": exc_info if method_name == "exception" else None,
     }
     if event["exc_info"] is None:
