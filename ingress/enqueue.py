@@ -1,19 +1,20 @@
 """Put event jobs on the RQ queue with redis.asyncio, without blocking the event loop.
 
-One writer task per process sends every job waiting at that moment as one
-`EVAL` that runs their commands (RQ's own, see `ingress.jobs`) atomically
-(group commit): a burst of requests costs one round trip and one reply, not
-one each, and no worker sees a job half-written. (A command failing inside the
-script, on a key of the wrong type, fails the batch; Redis keeps what the
-script wrote before it.)
+The writer sends every job waiting at that moment as one `EVAL` that runs
+their commands (RQ's own, see `ingress.jobs`) atomically (group commit): a
+burst of requests costs one round trip and one reply, not one each, and no
+worker sees a job half-written. (A command failing inside the script, on a
+key of the wrong type, fails the batch; Redis keeps what the script wrote
+before it.) Up to `LANES` batches are in flight at once, each on its own
+connection.
 
 A request waits for its own reply at most `settings.enqueue_timeout` seconds
 (and up to `SWEEP_SLACK` more: one timer serves every request). A job whose
 request gave up before it was sent is dropped, never sent late.
 
-The writer has a connection of its own: the probes (`/readyz`, `/metrics`)
+The writer's connections are its own: the probes (`/readyz`, `/metrics`)
 draw from a separate pool, so however many are in flight, they never take
-the connection webhooks are queued through.
+a connection webhooks are queued through.
 """
 
 from __future__ import annotations
