@@ -16,7 +16,7 @@ from redis import Redis
 from consumer.endpoints import EndpointCache
 from consumer.transaction import Applied, Endpoint, TooManyRetries, apply_with_retries
 from payhook import counters
-from payhook.db import Pool, Row, execute
+from payhook.db import Pool, Row, execute, pooled_connection
 from payhook.envelope import Envelope, MalformedJob, NewerEnvelope
 from payhook.errors import MalformedEvent, SignatureError, SignatureMismatch
 from payhook.gateways import Event, Gateway, get_gateway
@@ -59,7 +59,7 @@ def handle(runtime: Runtime, data: object) -> Applied:
     structlog.contextvars.bind_contextvars(
         delivery_id=envelope.delivery_id, endpoint_id=envelope.endpoint_id
     )
-    with runtime.pool.connection() as conn:
+    with pooled_connection(runtime.pool) as conn:
         endpoint, fresh = runtime.endpoints.get(conn, envelope.endpoint_id)
         if endpoint is None:
             _anomaly(runtime, "unknown_endpoint", conn=conn, envelope=envelope)
@@ -163,5 +163,5 @@ def _anomaly(
         with conn.transaction():
             execute(conn, "insert_anomaly", params)
         return
-    with runtime.pool.connection() as own, own.transaction():
+    with pooled_connection(runtime.pool) as own, own.transaction():
         execute(own, "insert_anomaly", params)

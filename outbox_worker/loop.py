@@ -33,7 +33,7 @@ from outbox_worker.claims import Claim, StaleClaim
 from outbox_worker.config import OutboxConfig
 from outbox_worker.deadline import within
 from outbox_worker.handlers import Outcome, deliver
-from payhook.db import Pool, Row
+from payhook.db import Pool, Row, pooled_connection
 
 log = structlog.get_logger(__name__)
 
@@ -118,7 +118,7 @@ class Worker:
     def run_batch(self) -> int:
         """Claim one batch and see every row to a recorded result; the number claimed."""
         started = time.monotonic()
-        with self.pool.connection() as conn:
+        with pooled_connection(self.pool) as conn:
             batch = claims.claim_due_rows(conn, self.config.batch, self.config.lease)
         if not batch:
             return 0
@@ -177,7 +177,7 @@ class Worker:
     def _record(self, claim: Claim, outcome: Outcome, dlog: FilteringBoundLogger) -> None:
         dlog = dlog.bind(handler=outcome.handler, status=outcome.status)
         try:
-            with self.pool.connection() as conn:
+            with pooled_connection(self.pool) as conn:
                 if outcome.kind == "delivered":
                     claims.mark_delivered(conn, claim)
                     dlog.info("outbox_delivered")
@@ -203,13 +203,13 @@ class Worker:
             dlog.warning("outbox_claim_stale", outcome=outcome.kind)
 
     def _release(self, claim: Claim, dlog: FilteringBoundLogger) -> None:
-        with self.pool.connection() as conn:
+        with pooled_connection(self.pool) as conn:
             released = claims.release(conn, claim)
         dlog.info("outbox_released", released=released, stopping=self.stopping.is_set())
 
     def _idle_wait(self) -> None:
         wait_for = self.config.poll
-        with self.pool.connection() as conn:
+        with pooled_connection(self.pool) as conn:
             due_in = claims.seconds_until_due(conn)
         if due_in is not None:
             wait_for = min(wait_for, max(due_in, MIN_IDLE_WAIT))

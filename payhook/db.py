@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import select
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, suppress
 from typing import Any
@@ -86,6 +87,54 @@ def connect(
     """One connection, for commands and tests."""
     kwargs = connection_kwargs(component, settings.database_url) | overrides
     return psycopg.connect(settings.database_url, **kwargs)
+
+
+@contextmanager
+def pooled_connection(pool: Pool) -> Iterator[psycopg.Connection[Row]]:
+    """`pool.connection()`, never handing out a connection the server has ended.
+
+    After a restart, a failover or `pg_terminate_backend`, the pool still
+    holds connections the server closed, and a job would fail on its first
+    statement: one retry spent, or, on its last, a dead-lettered job whose
+    event was never applied. A connection that is ended goes back to the
+    pool, which drops it and connects anew; the next idle one is tried, and
+    once every one the pool may hold has been, a new one is used as it comes.
+    """
+    for _ in range(pool.max_size):
+        conn = pool.getconn()
+        if not ended_by_server(conn):
+            break
+        pool.putconn(conn)
+    else:
+        conn = pool.getconn()
+    try:
+        with conn:
+            yield conn
+    finally:
+        pool.putconn(conn)
+
+
+def ended_by_server(conn: psycopg.Connection[Any]) -> bool:
+    """Whether an idle connection is known to be gone, at the cost of one `poll`.
+
+    An idle connection has nothing to read unless the server ended it (an
+    error saying why, then the end of the stream) or sent something unasked,
+    a notice or a notification; only then does an empty query, one round
+    trip, tell which. A server lost without a word (no FIN: a host gone, a
+    partition) is not seen here but by the first statement, within the TCP
+    timeouts of `KEEPALIVES`.
+    """
+    if conn.closed:
+        return True
+    poller = select.poll()
+    poller.register(conn.fileno(), select.POLLIN)
+    if not poller.poll(0):
+        return False
+    try:
+        conn.execute("")
+    except psycopg.OperationalError:
+        return True
+    return conn.closed
 
 
 @contextmanager

@@ -1,4 +1,5 @@
-"""`pipelined_transaction`: two round trips, and never a transaction left open."""
+"""`pipelined_transaction`: two round trips, and never a transaction left open;
+`pooled_connection`: never a connection the server has ended."""
 
 from __future__ import annotations
 
@@ -14,7 +15,14 @@ import pytest
 from psycopg import pq
 
 from ingress.endpoints import PostgresEndpoints
-from payhook.db import Row, connect, create_pool, pipelined_transaction
+from payhook.db import (
+    Row,
+    connect,
+    create_pool,
+    ended_by_server,
+    pipelined_transaction,
+    pooled_connection,
+)
 from payhook.settings import Settings
 from tests.locks import released_after
 
@@ -169,3 +177,58 @@ def test_every_connection_finds_a_silently_lost_server_within_about_a_minute(
     )
     with connect(own) as tuned:
         assert used(tuned) == wanted | {"keepalives_idle": "5", "tcp_user_timeout": "0"}
+
+
+def terminate(conn: psycopg.Connection[Row], pid: int) -> None:
+    """End backend `pid` as an administrator would, and wait until it has exited."""
+    row = conn.execute("SELECT pg_terminate_backend(%s, 5000) AS ended", (pid,)).fetchone()
+    assert row == {"ended": True}
+
+
+def test_an_idle_connection_is_checked_without_a_round_trip(
+    conn: psycopg.Connection[Row],
+) -> None:
+    with protocol_trace(conn) as trace:
+        assert not ended_by_server(conn)
+    assert trace == []
+
+
+def test_a_connection_with_something_unasked_to_read_is_kept_if_alive(
+    conn: psycopg.Connection[Row], settings: Settings
+) -> None:
+    """A notification makes an idle connection readable too: a round trip
+    tells it from a server's goodbye."""
+    conn.execute("LISTEN payhook_test")
+    with connect(settings) as other:
+        other.execute("NOTIFY payhook_test")
+    with protocol_trace(conn) as trace:
+        assert not ended_by_server(conn)
+    assert any("Query" in line for line in trace), trace
+    assert conn.execute("SELECT 1 AS one").fetchone() == {"one": 1}
+
+
+def test_a_connection_the_server_ended_is_known_ended(
+    conn: psycopg.Connection[Row], settings: Settings
+) -> None:
+    with connect(settings) as victim:
+        terminate(conn, victim.info.backend_pid)
+        assert ended_by_server(victim)
+        assert victim.closed
+
+
+def test_the_pool_hands_out_a_new_connection_for_every_ended_one(settings: Settings) -> None:
+    pool = create_pool(settings, "test", size=3)
+    pool.open(wait=True)
+    try:
+        held = [pool.getconn() for _ in range(3)]
+        pids = [c.info.backend_pid for c in held]
+        for c in held:
+            pool.putconn(c)
+        with connect(settings) as admin:
+            for pid in pids:
+                terminate(admin, pid)
+        with pooled_connection(pool) as pooled:
+            assert pooled.execute("SELECT 1 AS one").fetchone() == {"one": 1}
+            assert pooled.info.backend_pid not in pids
+    finally:
+        pool.close()

@@ -557,6 +557,34 @@ def test_a_null_written_among_the_secrets_by_hand_never_breaks_verification(
     assert deliver() == "ignored"
 
 
+def test_pooled_connections_the_server_ended_are_not_handed_to_a_job(
+    runtime: Runtime, factory: Factory
+) -> None:
+    """After a restart, a failover or an administrator, the pool still holds
+    connections the server ended: a job must not fail on one (on its last
+    retry, or requeued from the dead-letter queue, it would go back there
+    with its event never applied)."""
+    shop = factory.shop()
+    factory.order(shop, "order-1", "pi_1")
+    factory.order(shop, "order-2", "pi_2")
+    first = StandardEvent(merchant_reference="order-1", gateway_order_id="pi_1")
+    assert apply(runtime, factory, shop, first) == "applied"
+    with runtime.pool.connection() as one, runtime.pool.connection() as two:
+        pids = [c.info.backend_pid for c in (one, two)]
+    # Both idle in the pool now; each ended, its backend gone (waits up to 5 s).
+    ended = factory.conn.execute(
+        "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid, 5000)) AS n"
+        " FROM unnest(%s::int[]) AS pid",
+        (pids,),
+    ).fetchone()
+    assert ended == {"n": 2}
+    second = StandardEvent(merchant_reference="order-2", gateway_order_id="pi_2")
+    assert apply(runtime, factory, shop, second) == "applied"
+    assert factory.count("payment_event_receipts", outcome="applied") == 2
+    with runtime.pool.connection() as fresh:
+        assert fresh.info.backend_pid not in pids
+
+
 def test_job_timeout_while_waiting_on_a_lock_cancels_the_statement(
     runtime: Runtime, factory: Factory, settings: Settings
 ) -> None:
