@@ -211,3 +211,13 @@ class Factory:
         ).fetchone()
         assert found is not None
         return found
+
+    def end_backends(self, pids: list[int]) -> None:
+        """End these backends as an administrator would (`pg_terminate_backend`),
+        and wait until each has exited: its client has the server's goodbye."""
+        found = self.conn.execute(
+            "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid, 5000)) AS n"
+            " FROM unnest(%s::int[]) AS pid",
+            (pids,),
+        ).fetchone()
+        assert found == {"n": len(pids)}

@@ -24,6 +24,7 @@ from payhook.db import (
     pooled_connection,
 )
 from payhook.settings import Settings
+from tests.factories import Factory
 from tests.locks import released_after
 
 SCRATCH = "CREATE TEMPORARY TABLE scratch (n int NOT NULL)"
@@ -179,12 +180,6 @@ def test_every_connection_finds_a_silently_lost_server_within_about_a_minute(
         assert used(tuned) == wanted | {"keepalives_idle": "5", "tcp_user_timeout": "0"}
 
 
-def terminate(conn: psycopg.Connection[Row], pid: int) -> None:
-    """End backend `pid` as an administrator would, and wait until it has exited."""
-    row = conn.execute("SELECT pg_terminate_backend(%s, 5000) AS ended", (pid,)).fetchone()
-    assert row == {"ended": True}
-
-
 def test_an_idle_connection_is_checked_without_a_round_trip(
     conn: psycopg.Connection[Row],
 ) -> None:
@@ -207,16 +202,16 @@ def test_a_connection_with_something_unasked_to_read_is_kept_if_alive(
     assert conn.execute("SELECT 1 AS one").fetchone() == {"one": 1}
 
 
-def test_a_connection_the_server_ended_is_known_ended(
-    conn: psycopg.Connection[Row], settings: Settings
-) -> None:
+def test_a_connection_the_server_ended_is_known_ended(factory: Factory, settings: Settings) -> None:
     with connect(settings) as victim:
-        terminate(conn, victim.info.backend_pid)
+        factory.end_backends([victim.info.backend_pid])
         assert ended_by_server(victim)
         assert victim.closed
 
 
-def test_the_pool_hands_out_a_new_connection_for_every_ended_one(settings: Settings) -> None:
+def test_the_pool_hands_out_a_new_connection_for_every_ended_one(
+    factory: Factory, settings: Settings
+) -> None:
     pool = create_pool(settings, "test", size=3)
     pool.open(wait=True)
     try:
@@ -224,9 +219,7 @@ def test_the_pool_hands_out_a_new_connection_for_every_ended_one(settings: Setti
         pids = [c.info.backend_pid for c in held]
         for c in held:
             pool.putconn(c)
-        with connect(settings) as admin:
-            for pid in pids:
-                terminate(admin, pid)
+        factory.end_backends(pids)
         with pooled_connection(pool) as pooled:
             assert pooled.execute("SELECT 1 AS one").fetchone() == {"one": 1}
             assert pooled.info.backend_pid not in pids
