@@ -102,7 +102,12 @@ def pooled_connection(pool: Pool) -> Iterator[psycopg.Connection[Row]]:
     """
     for _ in range(pool.max_size):
         conn = pool.getconn()
-        if not ended_by_server(conn):
+        try:
+            ended = ended_by_server(conn)
+        except BaseException:
+            pool.putconn(conn)
+            raise
+        if not ended:
             break
         pool.putconn(conn)
     else:
