@@ -37,7 +37,7 @@ from payhook.errors import PayhookError
 from payhook.queue import APPLY_EVENT, enqueue_event, events_queue
 from payhook.settings import Settings
 from tests.conftest import REDIS_TEST_URL, test_settings
-from tests.factories import Factory, StandardEvent, stripe_body, stripe_headers
+from tests.factories import Factory, Shop, StandardEvent, stripe_body, stripe_headers
 
 pytestmark = pytest.mark.anyio
 
@@ -121,6 +121,16 @@ async def refresh(harness: Harness) -> bool:
     return await harness.ingress.refresher.refresh()
 
 
+async def signed_event(harness: Harness, factory: Factory) -> tuple[Shop, bytes, dict[str, str]]:
+    """A shop whose endpoint the ingress knows, and a payment event's body and
+    headers signed for it."""
+    shop = factory.shop()
+    await refresh(harness)
+    event = StandardEvent()
+    body = event.body()
+    return shop, body, event.headers(shop.secret, body)
+
+
 # -- accepted events -----------------------------------------------------------------
 
 
@@ -171,11 +181,8 @@ async def test_job_in_redis_is_the_one_enqueue_event_writes(
     harness: Harness, factory: Factory
 ) -> None:
     """Field by field, against RQ's own enqueue of the same envelope."""
-    shop = factory.shop()
-    await refresh(harness)
-    event = StandardEvent()
-    body = event.body()
-    response = await harness.post(shop.endpoint_id, body, event.headers(shop.secret, body))
+    shop, body, headers = await signed_event(harness, factory)
+    response = await harness.post(shop.endpoint_id, body, headers)
     [ours] = harness.jobs()
     theirs = Envelope.from_json(ours.args[0])
     twin = Envelope(
@@ -295,11 +302,7 @@ async def test_other_methods_are_405_and_queue_nothing(harness: Harness, factory
 async def test_paths_beside_the_webhook_route_are_starlettes_404(
     harness: Harness, factory: Factory
 ) -> None:
-    shop = factory.shop()
-    await refresh(harness)
-    event = StandardEvent()
-    body = event.body()
-    headers = event.headers(shop.secret, body)
+    shop, body, headers = await signed_event(harness, factory)
     for path in ("/webhooks/", f"/webhooks/{shop.endpoint_id}/more", "/webhooks"):
         response = await harness.client.post(path, content=body, headers=headers)
         assert response.status_code == 404, path
@@ -366,11 +369,7 @@ async def test_header_bytes_beyond_ascii_are_refused_not_a_500(
 ) -> None:
     """Header values arrive as bytes; one that is not ASCII where base64 or digits
     are expected is a refusal, like any other bad signature, never a 500."""
-    shop = factory.shop()
-    await refresh(harness)
-    event = StandardEvent()
-    body = event.body()
-    good = event.headers(shop.secret, body)
+    shop, body, good = await signed_event(harness, factory)
     for name, value in (
         ("webhook-signature", b"v1,\xe9"),
         ("webhook-signature", b"v1,\xe9 " + good["webhook-signature"].encode()),
