@@ -14,7 +14,10 @@
    1,000) to each app for S seconds; latency counts from each request's
    scheduled time, so a stall is not hidden by the sender waiting for it.
    Goal: ingress p99 below 10 ms. The bare route's figures show what the
-   generator and the machine add on their own.
+   generator and the machine add on their own; beside each, how late the
+   generator was to send, and for the ingress how many jobs its own
+   histogram saw wait over 10 ms for Redis: a tail is then the generator's,
+   Redis's, or the app's.
 3. The enqueue step alone, 32 jobs at a time: RQ's own `enqueue_event` in a
    bounded thread pool (the obvious design) beside the ingress's batched
    redis.asyncio writer, CPU and wall time per job.
@@ -38,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -195,14 +199,27 @@ def run_wrk(port: int, script: Path, seconds: int, connections: int) -> tuple[fl
     return rps, requests
 
 
+@dataclass(frozen=True)
+class OpenLoop:
+    """What an open-loop run measured, in seconds, one value per request."""
+
+    #: From each request's scheduled time to its whole response read.
+    latencies: list[float]
+    #: From each request's scheduled time to its being written: how late the
+    #: generator itself was. A latency tail with no lateness tail is the
+    #: app's (or the network's); one that the lateness shares is the
+    #: generator's, starved of CPU on the shared cores.
+    late: list[float]
+
+
 async def open_loop(
     port: int,
     requests: list[tuple[bytes, dict[str, str]]],
     rate: int,
     seconds: float,
     connections: int = 32,
-) -> list[float]:
-    """Latencies in seconds of `rate` requests/s for `seconds`, from each scheduled time."""
+) -> OpenLoop:
+    """`rate` requests/s for `seconds`, timed from each one's scheduled time."""
     path = "/webhooks/{}".format(requests[0][1]["x-endpoint"])
     raw = []
     for body, headers in requests:
@@ -215,6 +232,7 @@ async def open_loop(
     total = int(rate * seconds)
     slots: asyncio.Queue[tuple[int, float]] = asyncio.Queue()
     latencies: list[float] = []
+    late: list[float] = []
     failures: list[str] = []
 
     async def worker() -> None:
@@ -224,6 +242,7 @@ async def open_loop(
                 number, scheduled = await slots.get()
                 if number < 0:
                     return
+                late.append(time.perf_counter() - scheduled)
                 writer.write(raw[number % len(raw)])
                 status_line = await reader.readline()
                 length = 0
@@ -251,7 +270,7 @@ async def open_loop(
     await asyncio.gather(*workers)
     if failures:
         raise RuntimeError(f"{len(failures)} responses were not 202, e.g. {failures[0]}")
-    return latencies
+    return OpenLoop(latencies, late)
 
 
 async def compare_enqueue(settings: Settings, count: int = 3200) -> dict[str, tuple[float, float]]:
@@ -350,9 +369,12 @@ def main(argv: list[str] | None = None) -> int:
             bare_latencies = asyncio.run(
                 open_loop(bare_port, requests, args.rate, args.latency_seconds)
             )
+            enqueued_before, slow_before = enqueue_waits(ingress_port)
             latencies = asyncio.run(
                 open_loop(ingress_port, requests, args.rate, args.latency_seconds)
             )
+            enqueued_after, slow_after = enqueue_waits(ingress_port)
+            enqueued, slow = enqueued_after - enqueued_before, slow_after - slow_before
             redis.close()
         enqueue_costs = asyncio.run(compare_enqueue(settings))
 
@@ -374,8 +396,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  ratio bare/ingress    {bare_cpu / ingress_cpu:.0%}   jobs queued: {queued:,}")
     print(f"open loop at {args.rate} req/s for {args.latency_seconds:.0f}s each", end="")
     print(" (goal: ingress p99 < 10 ms)")
-    for name, values in (("bare Starlette route", bare_latencies), ("ingress", latencies)):
-        print(f"  {name:20s}  {_latency(values)}")
+    for name, run in (("bare Starlette route", bare_latencies), ("ingress", latencies)):
+        print(f"  {name:20s}  {_latency(run.latencies)}")
+        print(f"  {'':20s}  the generator late to send: {_latency(run.late)}")
+    print(f"  the ingress's histogram: {slow:,} of {enqueued:,} jobs waited over 10 ms for Redis")
     print("enqueue alone, 32 at a time, per job:")
     for name, (cpu_us, wall_us) in enqueue_costs.items():
         print(f"  {name:28s}  CPU {cpu_us:5.0f} us   wall {wall_us:5.0f} us")
@@ -389,6 +413,23 @@ def _latency(values: list[float]) -> str:
 
 def _rates(values: list[float]) -> str:
     return "[" + ", ".join(f"{v:,.0f}" for v in values) + "]"
+
+
+def enqueue_waits(port: int, over: float = 0.010) -> tuple[int, int]:
+    """From the ingress's own histogram: jobs it has enqueued, and how many of
+    them waited for Redis longer than `over` seconds (a bucket bound)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    name = "payhook_ingress_enqueue_seconds"
+    total = within = None
+    for line in text.splitlines():
+        if line.startswith(f"{name}_count "):
+            total = int(float(line.split()[-1]))
+        elif line.startswith(f'{name}_bucket{{le="{over}"}} '):
+            within = int(float(line.split()[-1]))
+    if total is None or within is None:
+        raise RuntimeError(f"the ingress's metrics have no {name} bucket at {over}")
+    return total, total - within
 
 
 def wait_ready(port: int, timeout: float = 20.0) -> None:
