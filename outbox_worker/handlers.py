@@ -26,8 +26,12 @@ log = structlog.get_logger(__name__)
 
 #: The `User-Agent` of every delivery.
 USER_AGENT = "payhook-outbox/1"
-#: 4xx statuses that mean "later", not "never".
-RETRYABLE_4XX = frozenset({408, 429})
+#: 4xx statuses that mean "later", not "never": a request timeout, too many
+#: requests, too early, and 409, which receivers that deduplicate by
+#: `Idempotency-Key` answer while an earlier attempt with the same key is still
+#: in progress (the IETF idempotency-key draft, Stripe): the attempt that
+#: timed out here may yet succeed there.
+RETRYABLE_4XX = frozenset({408, 409, 425, 429})
 #: Bytes of a response body read to keep the connection alive; the body is never used.
 MAX_DRAINED_BODY = 64 * 1024
 #: Seconds spent reading that body at most (checked between chunks).
@@ -81,7 +85,9 @@ def post_delivery(client: httpx.Client, claim: Claim, *, now: float | None = Non
             outcome = classify(resp.status_code, resp.headers.get("retry-after"), time.time())
             _drain(resp)
             return outcome
-    except (httpx.InvalidURL, httpx.UnsupportedProtocol):
+    except (httpx.InvalidURL, httpx.UnsupportedProtocol, UnicodeError):
+        # UnicodeError: a host name no resolver can take (a label over 63
+        # characters, an empty or invalid IDNA label), found when connecting.
         # The message would repeat the URL, which may carry credentials.
         return Outcome("dead", "http", error="fulfilment URL is not a usable http(s) URL")
     except httpx.TimeoutException as exc:
@@ -108,7 +114,7 @@ def _drain(response: httpx.Response) -> None:
 
 
 def classify(status: int, retry_after: str | None, now: float) -> Outcome:
-    """2xx delivered; 408, 429 and 5xx later; any other 4xx never; anything else later."""
+    """2xx delivered; 408, 409, 425, 429 and 5xx later; any other 4xx never; anything else later."""
     if 200 <= status < 300:
         return Outcome("delivered", "http", status=status)
     error = f"HTTP {status}"

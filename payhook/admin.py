@@ -163,11 +163,14 @@ def add_order(
 
 
 def _check_url(url: str) -> None:
-    """A URL the outbox worker can deliver to: http or https, a host, no spaces."""
+    """A URL the outbox worker can deliver to: http or https, a host a resolver
+    can take (each label 1 to 63 characters once IDNA-encoded), no spaces."""
     try:
         parts = urlsplit(url)
         parts.port  # noqa: B018 - raises on a port that is not a number
-    except ValueError:
+        if parts.hostname:
+            parts.hostname.encode("idna")
+    except (ValueError, UnicodeError):
         parts = None
     if (
         parts is None

@@ -374,6 +374,8 @@ def test_bad_input_is_a_clear_error_with_exit_2_never_a_traceback(
          "--fulfilment-url: expected"),
         (["tenants", "add", "acme", "--fulfilment-url", "http://host:port/x"], {},
          "--fulfilment-url: expected"),
+        (["tenants", "add", "acme", "--fulfilment-url", f"https://{'a' * 64}.example/x"], {},
+         "--fulfilment-url: expected"),
         (["dashboard", "--port", "70000"], {}, "argument --port: expected 1 to 65535"),
         (["dashboard"], {"PAYHOOK_DASHBOARD_PORT": "70001"},
          "PAYHOOK_DASHBOARD_PORT: expected 1 to 65535"),

@@ -69,13 +69,13 @@ def test_2xx_is_delivered(status: int) -> None:
     assert classify(status, None, 0).kind == "delivered"
 
 
-@pytest.mark.parametrize("status", [408, 429, 500, 502, 503, 504, 599, 302, 101])
+@pytest.mark.parametrize("status", [408, 409, 425, 429, 500, 502, 503, 504, 599, 302, 101])
 def test_transient_statuses_are_retried(status: int) -> None:
     outcome = classify(status, None, 0)
     assert outcome.kind == "retry" and outcome.error == f"HTTP {status}"
 
 
-@pytest.mark.parametrize("status", [400, 401, 403, 404, 405, 409, 410, 413, 422, 451, 499])
+@pytest.mark.parametrize("status", [400, 401, 403, 404, 405, 410, 413, 422, 451, 499])
 def test_other_4xx_are_permanent(status: int) -> None:
     assert classify(status, "30", 0).kind == "dead"
 
@@ -154,6 +154,15 @@ def test_unusable_url_is_permanent_and_not_repeated_in_the_error() -> None:
     outcome = deliver(httpx.Client(), claim)
     assert outcome.kind == "dead" and outcome.error is not None
     assert "hunter2" not in outcome.error
+
+
+@pytest.mark.parametrize(
+    "host", [f"{'a' * 64}.shop.example", "shop..example", f"{'é' * 60}.example"]
+)
+def test_a_host_no_resolver_takes_is_permanent(host: str) -> None:
+    # Found by the resolver's IDNA encoding, before any lookup is sent.
+    outcome = deliver(httpx.Client(), make_claim(url=f"https://{host}/fulfil"))
+    assert (outcome.kind, outcome.error) == ("dead", "fulfilment URL is not a usable http(s) URL")
 
 
 def test_tenant_without_url_is_logged_not_posted() -> None:
