@@ -14,6 +14,13 @@ from payhook.errors import MalformedEvent, TimestampOutOfTolerance
 
 #: The event kinds payhook acts on; any other gateway type is recorded and ignored.
 KINDS = ("succeeded", "failed", "refunded", "disputed")
+#: Characters a signature header may hold. A signature takes about 50 (a
+#: Standard Webhooks `v1,` and base64) to 70 (Stripe's `v1=` and hex), and a
+#: sender signs with one secret, or a few while rotating: 4 KiB is room for
+#: dozens. Longer is malformed (400) before any HMAC is computed: every entry
+#: is compared with every secret, and an 8 MB header of empty entries held
+#: the ingress's event loop for over half a second.
+MAX_SIGNATURE_HEADER = 4096
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from datetime import datetime
 
 from payhook.errors import MalformedEvent, MalformedHeaders, SignatureMismatch
 from payhook.gateways.base import (
+    MAX_SIGNATURE_HEADER,
     Event,
     any_signature_matches,
     canonical_digest,
@@ -144,6 +145,8 @@ def _read_headers(headers: Mapping[str, str]) -> tuple[str, int, list[bytes]]:
     raw_timestamp = headers.get("webhook-timestamp", "")
     raw_signature = headers.get("webhook-signature", "")
     if not event_id or len(event_id) > 255 or not raw_signature:
+        raise MalformedHeaders()
+    if len(raw_signature) > MAX_SIGNATURE_HEADER:
         raise MalformedHeaders()
     if not raw_timestamp.isascii() or not raw_timestamp.isdigit() or len(raw_timestamp) > 12:
         raise MalformedHeaders()

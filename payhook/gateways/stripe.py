@@ -18,6 +18,7 @@ from typing import Any
 
 from payhook.errors import MalformedEvent, MalformedHeaders, SignatureMismatch
 from payhook.gateways.base import (
+    MAX_SIGNATURE_HEADER,
     Event,
     any_signature_matches,
     canonical_digest,
@@ -141,6 +142,8 @@ def _business_digest(data: dict[str, Any]) -> str:
 
 
 def _read_header(header: str) -> tuple[int, list[bytes]]:
+    if len(header) > MAX_SIGNATURE_HEADER:
+        raise MalformedHeaders()
     timestamp: int | None = None
     signatures: list[bytes] = []
     for item in header.split(","):

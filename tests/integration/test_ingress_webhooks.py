@@ -364,6 +364,18 @@ async def test_missing_or_malformed_signature_headers_are_400(
     assert harness.jobs() == []
 
 
+async def test_a_signature_header_over_the_limit_is_400_however_it_was_signed(
+    harness: Harness, factory: Factory
+) -> None:
+    shop, body, headers = await signed_event(harness, factory)
+    # The valid signature, after a megabyte of empty entries.
+    headers["webhook-signature"] = "v1, " * 2**18 + headers["webhook-signature"]
+    response = await harness.post(shop.endpoint_id, body, headers)
+    assert response.status_code == 400
+    assert response.json() == {"error": "bad_request"}
+    assert harness.jobs() == []
+
+
 async def test_header_bytes_beyond_ascii_are_refused_not_a_500(
     harness: Harness, factory: Factory
 ) -> None:

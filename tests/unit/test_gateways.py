@@ -18,6 +18,7 @@ from payhook.errors import (
     TimestampOutOfTolerance,
 )
 from payhook.gateways import generate_secret, get_gateway
+from payhook.gateways.base import MAX_SIGNATURE_HEADER
 from payhook.gateways.standard import StandardGateway
 from payhook.gateways.stripe import StripeGateway
 from tests.factories import StandardEvent, stripe_body
@@ -120,6 +121,24 @@ class TestStandard:
     def test_missing_or_malformed_headers(self, headers: dict[str, str]) -> None:
         with pytest.raises(MalformedHeaders):
             self.gateway.verify(headers, b"{}", [self.secret], now=NOW, tolerance=300)
+
+    def test_a_signature_header_over_the_limit_is_malformed_before_any_hmac(self) -> None:
+        event = StandardEvent(timestamp=int(NOW))
+        body = event.body()
+        headers = event.headers(self.secret, body)
+        # Entries are separated by whitespace: the valid one, padded to the limit.
+        at_limit = headers["webhook-signature"].rjust(MAX_SIGNATURE_HEADER)
+        self.gateway.verify(
+            headers | {"webhook-signature": at_limit}, body, [self.secret], now=NOW, tolerance=300
+        )
+        with pytest.raises(MalformedHeaders):
+            self.gateway.verify(
+                headers | {"webhook-signature": " " + at_limit},
+                body,
+                [self.secret],
+                now=NOW,
+                tolerance=300,
+            )
 
     def test_parse_normalizes_the_event(self) -> None:
         event = StandardEvent(type="payment.refunded", amount=500, currency="eur")
@@ -233,6 +252,21 @@ class TestStripe:
         with pytest.raises(MalformedHeaders):
             self.gateway.verify(
                 {"stripe-signature": header}, b"{}", [self.secret], now=NOW, tolerance=300
+            )
+
+    def test_a_signature_header_over_the_limit_is_malformed_before_any_hmac(self) -> None:
+        body = stripe_body()
+        valid = stripe.WebhookSignature.generate_signature_header(
+            body.decode(), self.secret, int(NOW)
+        )
+        at_limit = valid + ",v0=" + "0" * (MAX_SIGNATURE_HEADER - len(valid) - 4)
+        assert len(at_limit) == MAX_SIGNATURE_HEADER
+        self.gateway.verify(
+            {"stripe-signature": at_limit}, body, [self.secret], now=NOW, tolerance=300
+        )
+        with pytest.raises(MalformedHeaders):
+            self.gateway.verify(
+                {"stripe-signature": at_limit + "0"}, body, [self.secret], now=NOW, tolerance=300
             )
 
     def test_digest_ignores_fields_stripe_rewrites(self) -> None:
