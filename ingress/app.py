@@ -71,13 +71,12 @@ class IngressApp(Starlette):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
             path: str = scope["path"]
-            if path.startswith(WEBHOOK_PREFIX) and "/" not in path[len(WEBHOOK_PREFIX) :]:
-                endpoint_id = path[len(WEBHOOK_PREFIX) :]
-                if endpoint_id:
-                    scope["app"] = self
-                    scope["path_params"] = {"endpoint_id": endpoint_id}
-                    await receive_webhook(scope, receive, send)
-                    return
+            endpoint_id = path[len(WEBHOOK_PREFIX) :]
+            if path.startswith(WEBHOOK_PREFIX) and endpoint_id and "/" not in endpoint_id:
+                scope["app"] = self
+                scope["path_params"] = {"endpoint_id": endpoint_id}
+                await receive_webhook(scope, receive, send)
+                return
         await super().__call__(scope, receive, send)
 
 

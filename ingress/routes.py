@@ -233,7 +233,8 @@ async def metrics(request: Request) -> Response:
 
 
 ROUTES = [
-    # Reached only for what `IngressApp` leaves to Starlette: another method (405).
+    # Reached for what `IngressApp` leaves to Starlette: another method (405),
+    # or a POST under a root path (`--root-path`), which Starlette strips.
     Route(WEBHOOK_PREFIX + "{endpoint_id}", _AsgiEndpoint(receive_webhook), methods=["POST"]),
     Route("/healthz", healthz, methods=["GET"]),
     Route("/readyz", readyz, methods=["GET"]),

@@ -309,6 +309,24 @@ async def test_paths_beside_the_webhook_route_are_starlettes_404(
     assert harness.jobs() == []
 
 
+async def test_under_a_root_path_starlette_routes_webhooks_to_the_same_receiver(
+    ingress_settings: Settings, factory: Factory
+) -> None:
+    # With `--root-path` the path keeps its prefix, so the fast path passes it
+    # on; Starlette strips the prefix and routes it to the same receiver.
+    async with running(ingress_settings) as harness:
+        shop, body, headers = await signed_event(harness, factory)
+        transport = httpx.ASGITransport(app=harness.app, root_path="/payhook")
+        async with httpx.AsyncClient(transport=transport, base_url="http://ingress") as client:
+            accepted = await client.post(
+                f"/payhook/webhooks/{shop.endpoint_id}", content=body, headers=headers
+            )
+            unknown = await client.post(f"/payhook/webhooks/{uuid.uuid4()}", content=body)
+        assert accepted.status_code == 202
+        assert [job.id for job in harness.jobs()] == [accepted.json()["delivery_id"]]
+        assert (unknown.status_code, unknown.json()) == (404, {"error": "not_found"})
+
+
 async def test_an_unexpected_error_is_a_500_logged_and_raised(
     harness: Harness, factory: Factory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
