@@ -13,8 +13,20 @@ Live tables stay writable while a migration runs:
 - DDL waits at most `LOCK_TIMEOUT` for a lock (consumers queue behind a
   waiting ALTER TABLE), then the statement, or the whole transactional file,
   is tried again a few times with backoff before the run gives up.
+- `CREATE`/`DROP INDEX CONCURRENTLY` and `REINDEX ... CONCURRENTLY` run with
+  no lock timeout: they take no lock that stops writers, and their waits for
+  older transactions and snapshots are part of the build, not a queue that
+  consumers stand in. `statement_timeout` still bounds them.
 - An index that a `CREATE INDEX CONCURRENTLY` left invalid (it failed, or the
   process died) is dropped before the statement runs again and after it fails.
+  Each drop may run for `INVALID_INDEX_DROP_TIMEOUT` (not the statement
+  timeout) and is tried again, like a lock timeout, only when it ran out of
+  that time or deadlocked; one cancelled by an operator is not. An invalid
+  unique index still enforces its rule on every write, so one that cannot be
+  dropped stops the run with the statement that drops it (`InvalidIndexLeft`).
+  Worst case, after a failed build the index stays in place for
+  `LOCK_ATTEMPTS` drops of 2 minutes and the waits between them (1, 2, 4 and
+  8 s): about 10 minutes 15 seconds, before the run stops saying so.
 - A migration that adds a unique rule to a table that already exists is
   refused while rows of the table break the rule (`payhook.uniqueness`).
 """
@@ -23,7 +35,8 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -37,7 +50,7 @@ from payhook.db import Row, connect, fetch_one
 from payhook.errors import MigrationError
 from payhook.queries import query, sql_root
 from payhook.settings import Settings
-from payhook.uniqueness import RuleError, require_no_conflicts, rules_in
+from payhook.uniqueness import SESSION_OPTIONS, RuleError, require_no_conflicts, rules_in
 
 log = structlog.get_logger(__name__)
 
@@ -52,18 +65,34 @@ LOCK_ATTEMPTS = 5
 LOCK_RETRY_DELAY = 1.0
 #: How long one migration statement may run.
 STATEMENT_TIMEOUT = "15min"
+#: Seconds one drop of an index a concurrent build left invalid may run: while
+#: it waits, an invalid unique index goes on refusing writes that break its rule.
+INVALID_INDEX_DROP_TIMEOUT = 120.0
 #: Seconds between polls of the migration lock, doubling up to the maximum.
 LOCK_POLL_MIN = 0.05
 LOCK_POLL_MAX = 1.0
 NO_TRANSACTION_MARKER = "-- payhook: no-transaction"
 
 _NAME = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
-_DOLLAR_QUOTE = re.compile(r"\$[A-Za-z_]*\$")
+#: A word of SQL outside quotes: a keyword or an unquoted identifier.
+_WORD = re.compile(r"\w[\w$]*")
+#: The start of a dollar-quoted string: `$$` or `$tag$`.
+_DOLLAR_QUOTE = re.compile(r"\$(?:[A-Za-z_][A-Za-z0-9_]*)?\$")
+#: Statements whose waits never queue writers: they run without lock_timeout.
+_CONCURRENTLY = re.compile(
+    r"^\s*(?:CREATE\s+(?:UNIQUE\s+)?INDEX|DROP\s+INDEX|REINDEX\s+(?:\([^)]*\)\s*)?\w+)"
+    r"\s+CONCURRENTLY\b",
+    re.IGNORECASE,
+)
 _CONCURRENT_INDEX = re.compile(
     r"^\s*CREATE\s+(?:UNIQUE\s+)?INDEX\s+CONCURRENTLY\s+(?:IF\s+NOT\s+EXISTS\s+)?(\w+)"
     r"\s+ON\s+(?:ONLY\s+)?(\w+(?:\.\w+)?)",
     re.IGNORECASE,
 )
+
+
+class InvalidIndexLeft(MigrationError):
+    """An index a concurrent build left invalid could not be dropped."""
 
 
 @dataclass(frozen=True)
@@ -134,7 +163,7 @@ def applied_versions(conn: psycopg.Connection[Row]) -> set[int]:
 def pending_migrations(settings: Settings, folder: Path | None = None) -> list[Migration]:
     """The migrations the database has not applied yet."""
     migrations = list_migrations(folder)
-    with connect(settings, "migrate") as conn:
+    with connect(settings, "migrate", options=SESSION_OPTIONS) as conn:
         present = fetch_one(conn, "table_exists", {"table": "payhook.schema_migrations"})
         done = applied_versions(conn) if present and present["present"] else set()
     return [m for m in migrations if m.version not in done]
@@ -146,13 +175,21 @@ def apply_migrations(
     *,
     lock_timeout: str = LOCK_TIMEOUT,
     lock_attempts: int = LOCK_ATTEMPTS,
+    statement_timeout: str | None = None,
 ) -> list[str]:
-    """Apply every pending migration; the names of those applied by this call."""
+    """Apply every pending migration; the names of those applied by this call.
+
+    `statement_timeout` bounds each statement (`STATEMENT_TIMEOUT` by default),
+    a concurrent index build and the drop of an invalid index included.
+    """
     migrations = list_migrations(folder)
     ensure_database(settings)
     applied: list[str] = []
-    timeouts = f"-c lock_timeout={lock_timeout} -c statement_timeout={STATEMENT_TIMEOUT}"
-    with connect(settings, "migrate", options=timeouts) as conn:
+    options = (
+        f"-c lock_timeout={lock_timeout} "
+        f"-c statement_timeout={statement_timeout or STATEMENT_TIMEOUT} " + SESSION_OPTIONS
+    )
+    with connect(settings, "migrate", options=options) as conn:
         _lock(conn)
         try:
             conn.execute(query("create_migrations_table"))
@@ -207,9 +244,12 @@ def _apply_one(conn: psycopg.Connection[Row], migration: Migration, attempts: in
         if migration.transactional:
             _retry_lock_timeouts(whole_file, attempts, migration)
         else:
-            for statement in _split_statements(text):
-                _retry_lock_timeouts(partial(_execute, conn, statement), attempts, migration)
+            for statement in split_statements(text):
+                run = partial(_execute, conn, statement, attempts)
+                _retry_lock_timeouts(run, attempts, migration)
             conn.execute(record, params)
+    except InvalidIndexLeft as exc:
+        raise InvalidIndexLeft(f"{migration.path.name}: {exc}") from exc.__cause__
     except psycopg.errors.LockNotAvailable as exc:
         raise MigrationError(
             f"{migration.path.name}: no lock within lock_timeout in {attempts} tries, "
@@ -231,49 +271,232 @@ def _retry_lock_timeouts(action: Callable[[], None], attempts: int, migration: M
             time.sleep(LOCK_RETRY_DELAY * 2 ** (attempt - 1))
 
 
-def _execute(conn: psycopg.Connection[Row], statement: LiteralString) -> None:
+def _execute(conn: psycopg.Connection[Row], statement: LiteralString, attempts: int) -> None:
     """One statement outside a transaction; no invalid index survives a concurrent build."""
-    index = _CONCURRENT_INDEX.match(statement)
-    if index is None:
+    if _CONCURRENTLY.match(statement) is None:
         conn.execute(statement)
         return
-    name, table = index.group(1), index.group(2)
-    _drop_invalid_index(conn, table, name)
-    try:
-        conn.execute(statement)
-    except psycopg.Error:
+    with _without_lock_timeout(conn):
+        index = _CONCURRENT_INDEX.match(statement)
+        if index is None:
+            conn.execute(statement)
+            return
+        name, table = index.group(1), index.group(2)
+        _drop_invalid_index(conn, table, name, attempts)
         try:
-            _drop_invalid_index(conn, table, name)
-        except psycopg.Error as cleanup:
-            log.error("invalid_index_left", index=name, error=str(cleanup))
-        raise
+            conn.execute(statement)
+        except psycopg.Error as exc:
+            try:
+                _drop_invalid_index(conn, table, name, attempts)
+            except InvalidIndexLeft as left:
+                raise InvalidIndexLeft(f"the build failed ({exc}), and {left}") from exc
+            raise
 
 
-def _drop_invalid_index(conn: psycopg.Connection[Row], table: str, name: str) -> None:
+@contextmanager
+def _without_lock_timeout(conn: psycopg.Connection[Row]) -> Iterator[None]:
+    """The session's lock_timeout off for a concurrent index statement, then back."""
+    conn.execute(query("disable_lock_timeout"))
+    try:
+        yield
+    finally:
+        if not conn.broken:
+            conn.execute(query("restore_lock_timeout"))
+
+
+#: Errors after which dropping an invalid index is tried again (QueryCanceled
+#: only when the drop ran out of its own time: see `_ran_out_of_time`).
+_DROP_RETRYABLE = (
+    psycopg.errors.LockNotAvailable,
+    psycopg.errors.QueryCanceled,
+    psycopg.errors.DeadlockDetected,
+)
+
+
+def _drop_invalid_index(
+    conn: psycopg.Connection[Row], table: str, name: str, attempts: int
+) -> None:
+    """Drop the index if a concurrent build left it invalid, trying `attempts` times."""
+    budget = INVALID_INDEX_DROP_TIMEOUT
+    for attempt in range(1, attempts + 1):
+        row = fetch_one(conn, "invalid_index", {"table": table, "index": name})
+        if row is None:
+            return
+        index = sql.Identifier(row["schema_name"], row["index_name"])
+        drop = sql.SQL("DROP INDEX CONCURRENTLY IF EXISTS {}").format(index)
+        started = time.monotonic()
+        try:
+            with _statement_timeout(conn, budget):
+                conn.execute(drop)
+        except _DROP_RETRYABLE as exc:
+            elapsed = time.monotonic() - started
+            if attempt >= attempts or not _ran_out_of_time(exc, elapsed, budget):
+                _give_up(conn, table, name, drop, attempt, exc)
+                return
+            log.warning("invalid_index_drop_retry", index=name, attempt=attempt, error=str(exc))
+            time.sleep(LOCK_RETRY_DELAY * 2 ** (attempt - 1))
+            continue
+        except psycopg.Error as exc:
+            _give_up(conn, table, name, drop, attempt, exc)
+            return
+        log.warning("invalid_index_dropped", index=name, table=table)
+        return
+
+
+def _ran_out_of_time(exc: psycopg.Error, elapsed: float, budget: float) -> bool:
+    """Whether a failed drop is worth trying again: a lock or deadlock error, or
+    a cancel that came once its time was up.
+
+    A statement timeout and an operator's pg_cancel_backend raise the same
+    error (57014), told apart only by translated message text: the time the
+    drop ran tells them apart instead, so a cancel in the last moments of the
+    budget is taken for the timeout.
+    """
+    if not isinstance(exc, psycopg.errors.QueryCanceled):
+        return True
+    return elapsed >= budget * 0.9
+
+
+def _give_up(
+    conn: psycopg.Connection[Row],
+    table: str,
+    name: str,
+    drop: sql.Composed,
+    tries: int,
+    exc: psycopg.Error,
+) -> None:
+    """Raise InvalidIndexLeft with the index's state as it is now; none if it is gone."""
+    if conn.broken:
+        raise InvalidIndexLeft(_left_behind(None, drop, tries, exc)) from exc
     row = fetch_one(conn, "invalid_index", {"table": table, "index": name})
     if row is None:
+        log.warning("invalid_index_dropped", index=name, table=table)
         return
-    conn.execute(
-        sql.SQL("DROP INDEX CONCURRENTLY IF EXISTS {}").format(
-            sql.Identifier(row["schema_name"], row["index_name"])
+    raise InvalidIndexLeft(_left_behind(row, drop, tries, exc)) from exc
+
+
+@contextmanager
+def _statement_timeout(conn: psycopg.Connection[Row], seconds: float) -> Iterator[None]:
+    """The session's statement_timeout set to `seconds` for a while, then back."""
+    conn.execute(query("set_statement_timeout"), {"timeout": f"{round(seconds * 1000)}ms"})
+    try:
+        yield
+    finally:
+        if not conn.broken:
+            conn.execute(query("restore_statement_timeout"))
+
+
+def _left_behind(row: Row | None, drop: sql.Composed, tries: int, exc: Exception) -> str:
+    """What an invalid index left in place does, and the statement that removes it."""
+    statement = drop.as_string()
+    if row is None:
+        return (
+            f"an invalid index may be left in place: the drop failed in {tries} tries and "
+            f"the session was lost ({exc}); if it is unique it may still enforce its rule "
+            f"on live writes. Check, and drop it from psql: {statement};"
         )
+    if row["is_unique"] and row["ready"]:
+        effect = (
+            "it still enforces its unique rule on live writes: every insert or update "
+            "that breaks the rule fails until it is dropped"
+        )
+    else:
+        effect = "it is not used by queries, and writes keep it up to date until it is dropped"
+    return (
+        f"the invalid index {row['schema_name']}.{row['index_name']} could not be dropped "
+        f"in {tries} tries ({exc}); {effect}. Drop it now, from psql: {statement};"
     )
-    log.warning("invalid_index_dropped", index=name, table=table)
 
 
-def _split_statements(text: str) -> list[LiteralString]:
-    """Split a no-transaction migration on `;` at line ends, outside `$$` quoted bodies."""
+def split_statements(text: str) -> list[LiteralString]:
+    """The SQL statements of a migration, without comments or their final `;`.
+
+    Splits, as psql does, on `;` outside quoted strings (`'...'`, `E'...'`),
+    quoted identifiers, dollar-quoted bodies, comments (`--`, nested `/* */`),
+    parentheses (`CREATE RULE ... DO ALSO (a; b)`) and `BEGIN ... END` blocks
+    (a `BEGIN ATOMIC` function body, with its `CASE ... END`s): a `BEGIN` or
+    `CASE` that is not the statement's first word opens a block, `END` closes
+    one. Comments are left out of the statements.
+    """
     statements: list[str] = []
     current: list[str] = []
-    quote: str | None = None
-    for line in text.splitlines():
-        if quote is None and line.lstrip().startswith("--"):
+    parens = blocks = words = 0
+    i, n = 0, len(text)
+    while i < n:
+        char = text[i]
+        word = _WORD.match(text, i) if char.isalpha() or char == "_" else None
+        if word is not None and not _word_before(text, i):
+            words += 1
+            keyword = word.group().lower()
+            if keyword in ("begin", "case") and words > 1:
+                blocks += 1
+            elif keyword == "end" and blocks:
+                blocks -= 1
+            current.append(word.group())
+            i = word.end()
             continue
-        for tag in _DOLLAR_QUOTE.findall(line):
-            quote = tag if quote is None else (None if tag == quote else quote)
-        current.append(line)
-        if quote is None and line.rstrip().endswith(";"):
-            statements.append("\n".join(current))
+        if text.startswith("--", i):
+            end = text.find("\n", i)
+            i = n if end < 0 else end
+            continue
+        if text.startswith("/*", i):
+            depth, i = 1, i + 2
+            while i < n and depth:
+                if text.startswith("/*", i):
+                    depth, i = depth + 1, i + 2
+                elif text.startswith("*/", i):
+                    depth, i = depth - 1, i + 2
+                else:
+                    i += 1
+            current.append(" ")
+            continue
+        if char in "'\"":
+            escapes = (
+                char == "'" and i > 0 and text[i - 1] in "eE" and not _word_before(text, i - 1)
+            )
+            end = _quote_end(text, i, char, escapes)
+            current.append(text[i:end])
+            i = end
+            continue
+        if char == "$" and not _word_before(text, i):
+            tag = _DOLLAR_QUOTE.match(text, i)
+            if tag is not None:
+                close = text.find(tag.group(), tag.end())
+                end = n if close < 0 else close + len(tag.group())
+                current.append(text[i:end])
+                i = end
+                continue
+        if char == "(":
+            parens += 1
+        elif char == ")":
+            parens = max(parens - 1, 0)
+        if char == ";" and not parens and not blocks:
+            statements.append("".join(current))
             current = []
-    statements.append("\n".join(current))
-    return [s.strip() for s in statements if s.strip().rstrip(";").strip()]
+            words = 0
+        else:
+            current.append(char)
+        i += 1
+    statements.append("".join(current))
+    return [s.strip() for s in statements if s.strip()]
+
+
+def _word_before(text: str, i: int) -> bool:
+    """Whether the character before `i` continues an identifier or a number."""
+    return i > 0 and (text[i - 1].isalnum() or text[i - 1] in "_$")
+
+
+def _quote_end(text: str, start: int, quote: str, escapes: bool) -> int:
+    """The index just past the string or identifier quoted at `start`."""
+    i = start + 1
+    while i < len(text):
+        if escapes and text[i] == "\\":
+            i += 2
+            continue
+        if text[i] == quote:
+            if text.startswith(quote * 2, i):
+                i += 2
+                continue
+            return i + 1
+        i += 1
+    return len(text)

@@ -8,11 +8,21 @@ the whole table. Before a migration builds one:
     payhook uniqueness resolve   collapse the `redelivery` groups, keeping the first row
     payhook migrate              refuses while any group remains, and says which kind
 
-`redelivery`: the rows agree on every column except generated ids, arrival
-stamps and the columns named with `--ignore`, so they are one event recorded
-twice, and the copies move to payhook.uniqueness_quarantine. `distinct`: the
-rows differ; they are legitimate records the rule would forbid, and no tool
-decides which of them is wrong: change the rule, or the rows, by hand.
+`redelivery`: the rows agree on every column except generated ids (identity,
+serial, or a random-uuid primary key), arrival stamps and the columns named
+with `--ignore`, so they are one event recorded twice, and the copies move to
+payhook.uniqueness_quarantine. Any other primary-key column is content: rows
+that differ only there are not copies unless it is named with `--ignore`.
+`distinct`: the rows differ; they are legitimate records the rule would
+forbid, and no tool decides which of them is wrong: change the rule, or the
+rows, by hand.
+
+The report stores, in `ignored`, the columns left out automatically and, each
+written `--ignore=NAME`, those the operator named. Resolve trusts only the
+latter: it works the automatic part out again from the table as it is then,
+so a report written by an older check that left out a natural primary-key
+column cannot make it delete rows that differ there; such a group becomes
+`distinct` (run the check again, with `--ignore`, if it is a redelivery).
 """
 
 from __future__ import annotations
@@ -23,13 +33,14 @@ import json
 import re
 import sys
 from collections import Counter, defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any, LiteralString
 
 import psycopg
 import structlog
 from psycopg import sql
-from psycopg.types.json import Jsonb
 
 from payhook.db import Row, connect, execute, fetch_all, fetch_one
 from payhook.errors import MigrationError, PayhookError
@@ -45,6 +56,18 @@ NO_TENANT = "00000000-0000-0000-0000-000000000000"
 LOCAL_TABLES = frozenset({"tenants", "security_anomalies", "schema_migrations", "endpoint_version"})
 #: Groups one resolve transaction collapses.
 RESOLVE_BATCH = 100
+#: Session settings that decide how key values are rendered as jsonb text
+#: (timestamptz in the TimeZone, intervals, floats): pinned, as connection
+#: options, on the sessions of `uniqueness` and `migrate`, and with SET LOCAL
+#: inside every transaction here, so keys written by one session match those
+#: computed by another.
+SESSION_OPTIONS = (
+    "-c TimeZone=UTC -c DateStyle=ISO -c IntervalStyle=postgres -c extra_float_digits=3"
+)
+#: What a check prints for a rule whose table or column a pending migration creates.
+CREATED_BY_MIGRATION = "created by the migration: the build is the check"
+#: Marks, in the report's `ignored`, a column the operator named with --ignore.
+NAMED_IGNORE = "--ignore="
 
 _CREATE_UNIQUE = re.compile(r"\bCREATE\s+UNIQUE\s+INDEX\b", re.IGNORECASE)
 _UNIQUE_INDEX = re.compile(
@@ -57,6 +80,10 @@ _ADD_UNIQUE = re.compile(
     r"\bALTER\s+TABLE\s+(?:IF\s+EXISTS\s+)?(?:ONLY\s+)?(?P<table>\w+(?:\.\w+)?)\s+"
     r"ADD\s+CONSTRAINT\s+(?P<name>\w+)\s+UNIQUE\s*(?P<nulls>NULLS\s+NOT\s+DISTINCT\s*)?"
     r"\((?P<columns>[^()]*)\)",
+    re.IGNORECASE,
+)
+_INDEX_NAME = re.compile(
+    r"\bCREATE\s+UNIQUE\s+INDEX\s+(?:CONCURRENTLY\s+)?(?:IF\s+NOT\s+EXISTS\s+)?(?P<name>\w+)",
     re.IGNORECASE,
 )
 _COLUMN = re.compile(r"^(\w+)(?:\s+(?:ASC|DESC))?$", re.IGNORECASE)
@@ -90,6 +117,14 @@ class UniqueRule:
 
 
 @dataclass(frozen=True)
+class UncheckableRule:
+    """A unique rule a migration adds that cannot be checked: the index build is the check."""
+
+    name: str
+    reason: str
+
+
+@dataclass(frozen=True)
 class Group:
     """Rows that share one key of a rule."""
 
@@ -98,6 +133,8 @@ class Group:
     copies: int
     versions: int
     classification: str
+    #: The key as jsonb text, which reads back exactly (numerics included).
+    key_text: str = ""
 
 
 @dataclass(frozen=True)
@@ -131,6 +168,8 @@ class Resolved:
     collapsed: int
     quarantined: int
     reclassified: int
+    #: Groups left open: rows remain whose key the report's did not match.
+    unmatched: int = 0
 
 
 def rules_in(text: str, *, strict: bool = True) -> list[UniqueRule]:
@@ -139,16 +178,30 @@ def rules_in(text: str, *, strict: bool = True) -> list[UniqueRule]:
     A rule on expressions cannot be checked: `RuleError`, or with `strict=False`
     a warning, and the index build itself is the check.
     """
-    body = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("--"))
     rules: list[UniqueRule] = []
-    for statement in body.split(";"):
+    for rule in all_rules_in(text):
+        if isinstance(rule, UniqueRule):
+            rules.append(rule)
+        elif strict:
+            raise RuleError(rule.reason)
+        else:
+            log.warning("unique_rule_unchecked", rule=rule.name, reason=rule.reason)
+    return rules
+
+
+def all_rules_in(text: str) -> list[UniqueRule | UncheckableRule]:
+    """The unique rules a migration's SQL adds, in order, those that cannot be checked too."""
+    from payhook.migrations import split_statements
+
+    rules: list[UniqueRule | UncheckableRule] = []
+    for statement in split_statements(text):
         if _CREATE_UNIQUE.search(statement):
             try:
                 rules.append(_index_rule(statement))
             except RuleError as exc:
-                if strict:
-                    raise
-                log.warning("unique_rule_unchecked", reason=str(exc))
+                named = _INDEX_NAME.search(statement)
+                name = named["name"] if named else " ".join(statement.split())
+                rules.append(UncheckableRule(name, str(exc)))
         for match in _ADD_UNIQUE.finditer(statement):
             rules.append(
                 UniqueRule(
@@ -164,7 +217,10 @@ def rules_in(text: str, *, strict: bool = True) -> list[UniqueRule]:
 def _index_rule(statement: str) -> UniqueRule:
     match = _UNIQUE_INDEX.match(statement)
     if match is None:
-        raise RuleError(f"cannot read the unique rule of: {' '.join(statement.split())}")
+        raise RuleError(
+            f"cannot read the unique rule of: {' '.join(statement.split())} (only a rule "
+            "on plain columns can be checked; the index build is the check)"
+        )
     rest = match["rest"]
     where = _WHERE.search(rest)
     return UniqueRule(
@@ -195,13 +251,18 @@ def _columns(text: str, statement: str) -> tuple[str, ...]:
 @dataclass(frozen=True)
 class _Shape:
     columns: tuple[str, ...]
+    #: Identity or serial columns.
     generated: frozenset[str]
+    #: Columns defaulting to a random uuid (gen_random_uuid() and the like).
+    random_ids: frozenset[str]
     stamped: frozenset[str]
     primary_key: tuple[str, ...]
     #: The rule begins with a uuid tenant_id, which the report keeps apart.
     by_tenant: bool
     #: Partitioned, or inherited from: its rows live in several physical tables.
     has_children: bool = False
+    #: Each column's type as SQL (format_type).
+    types: tuple[tuple[str, str], ...] = ()
 
 
 def _shape(conn: psycopg.Connection[Row], rule: UniqueRule) -> _Shape:
@@ -218,29 +279,51 @@ def _shape(conn: psycopg.Connection[Row], rule: UniqueRule) -> _Shape:
             f"{rule.name}: every unique rule of a tenant table begins with tenant_id, "
             "so the schema can be distributed by tenant"
         )
-    keyed = sorted((r for r in rows if r["key_position"]), key=lambda r: r["key_position"])
+    keyed = sorted(
+        (r for r in rows if r["key_position"] is not None), key=lambda r: r["key_position"]
+    )
     return _Shape(
         columns=columns,
         generated=frozenset(r["name"] for r in rows if r["generated"]),
+        random_ids=frozenset(r["name"] for r in rows if r["random_default"]),
         stamped=frozenset(r["name"] for r in rows if r["arrival_stamp"]),
         primary_key=tuple(r["name"] for r in keyed),
         by_tenant=rule.columns[0] == "tenant_id"
         and any(r["name"] == "tenant_id" and r["type"] == "uuid" for r in rows),
         has_children=rows[0]["has_children"],
+        types=tuple((r["name"], r["type"]) for r in rows),
     )
+
+
+def _stored_ignored(ignored: tuple[str, ...], named: tuple[str, ...]) -> list[str]:
+    """The report's `ignored`: the columns left out, those the operator named marked."""
+    return [NAMED_IGNORE + c if c in named else c for c in ignored]
+
+
+def _named_ignored(stored: list[str]) -> tuple[str, ...]:
+    """The columns of a report's `ignored` that the operator named with --ignore.
+
+    Only marked ones: an unmarked name was chosen by the check of the day,
+    perhaps by rules since tightened (an older check left out every
+    primary-key column, natural keys included).
+    """
+    return tuple(c[len(NAMED_IGNORE) :] for c in stored if c.startswith(NAMED_IGNORE))
 
 
 def _ignored(rule: UniqueRule, shape: _Shape, extra: tuple[str, ...]) -> tuple[str, ...]:
     unknown = [c for c in extra if c not in shape.columns]
     if unknown:
         raise RuleError(f"--ignore: {rule.table} has no column {', '.join(unknown)}")
-    surrogate = {c for c in shape.primary_key if c not in rule.columns}
-    chosen = (shape.generated | shape.stamped | surrogate | set(extra)) - set(rule.columns)
+    # A primary-key column is left out only when the database generates it; a
+    # natural key (an event id, a refund id) tells legitimate rows apart.
+    random_keys = shape.random_ids & set(shape.primary_key)
+    chosen = (shape.generated | random_keys | shape.stamped | set(extra)) - set(rule.columns)
     return tuple(c for c in shape.columns if c in chosen)
 
 
 def _parts(rule: UniqueRule, shape: _Shape) -> dict[str, sql.Composable]:
     rest = rule.columns[1:] if shape.by_tenant else rule.columns
+    types = dict(shape.types)
     conditions: list[sql.Composable] = []
     if rule.nulls_distinct:
         conditions += [sql.SQL("{} IS NOT NULL").format(sql.Identifier(c)) for c in rule.columns]
@@ -258,6 +341,18 @@ def _parts(rule: UniqueRule, shape: _Shape) -> dict[str, sql.Composable]:
                 sql.SQL("{}, {}").format(sql.Literal(c), sql.Identifier(c)) for c in rest
             )
         ),
+        "key_row": sql.SQL("ROW({})").format(
+            sql.SQL(", ").join(sql.Identifier("t", c) for c in rest)
+        ),
+        "stored_row": sql.SQL("ROW({})").format(
+            sql.SQL(", ").join(sql.Identifier("k", c) for c in rest)
+        ),
+        # Types from format_type: SQL from the catalog, not input.
+        "key_columns": sql.SQL(", ").join(
+            sql.SQL("{} {}").format(sql.Identifier(c), sql.SQL(types[c])) for c in rest
+        )
+        if rest
+        else sql.SQL("none_ text"),
         "scope": sql.SQL(" AND ").join(conditions) if conditions else sql.SQL("true"),
         "order": sql.SQL(", ").join(sql.Identifier("t", c) for c in shape.primary_key)
         if shape.primary_key
@@ -274,6 +369,14 @@ def _template(name: str, parts: dict[str, sql.Composable]) -> sql.Composed:
     return sql.SQL(_templates()[name]).format(**parts)
 
 
+@contextmanager
+def _pinned_transaction(conn: psycopg.Connection[Row]) -> Iterator[None]:
+    """A transaction whose keys render the same whatever the session's settings."""
+    with conn.transaction():
+        execute(conn, "pin_key_settings")
+        yield
+
+
 # Check, resolve, guard
 
 
@@ -284,7 +387,8 @@ def check_rule(
     shape = _shape(conn, rule)
     ignored = _ignored(rule, shape, ignore)
     parts = _parts(rule, shape)
-    with conn.transaction():
+    stored_ignored = _stored_ignored(ignored, ignore)
+    with _pinned_transaction(conn):
         found = conn.execute(_template("find_conflicts", parts)).fetchall()
         compared = (
             conn.execute(
@@ -292,7 +396,7 @@ def check_rule(
                 {
                     "ignored": list(ignored),
                     "tenants": [g["tenant_id"] for g in found],
-                    "keys": [Jsonb(g["key"]) for g in found],
+                    "keys": [g["key_text"] for g in found],
                 },
             ).fetchall()
             if found
@@ -305,6 +409,7 @@ def check_rule(
                 r["copies"],
                 r["versions"],
                 "redelivery" if r["versions"] == 1 else "distinct",
+                r["key_text"],
             )
             for r in compared
         ]
@@ -316,11 +421,11 @@ def check_rule(
                         "tenant_id": g.tenant_id,
                         "rule": rule.name,
                         "table_name": rule.table,
-                        "key": Jsonb(g.key),
+                        "key": g.key_text,
                         "copies": g.copies,
                         "versions": g.versions,
                         "classification": g.classification,
-                        "ignored": list(ignored),
+                        "ignored": stored_ignored,
                     }
                     for g in groups
                 ],
@@ -348,36 +453,53 @@ def resolve_rule(
     parts = _parts(rule, shape)
     lock = _template("lock_group_rows", parts)
     quarantine = _template("quarantine_rows", parts)
-    collapsed = quarantined = reclassified = 0
+    recount = _template("count_group_rows", parts)
+    collapsed = quarantined = reclassified = unmatched = 0
+    after: dict[str, Any] = {"after_tenant": None, "after_key": None}
     while True:
-        with conn.transaction():
-            groups = fetch_all(conn, "open_redeliveries", {"rule": rule.name, "limit": batch})
+        with _pinned_transaction(conn):
+            groups = fetch_all(
+                conn, "open_redeliveries", {"rule": rule.name, "limit": batch} | after
+            )
             if not groups:
                 break
+            after = {"after_tenant": groups[-1]["tenant_id"], "after_key": groups[-1]["key_text"]}
+            # The columns left out are worked out again from the table as it is
+            # now; of the report's, only those the operator named are kept.
+            ignored = {id(g): _ignored(rule, shape, _named(shape, g)) for g in groups}
             members: dict[tuple[str, str], list[Row]] = defaultdict(list)
-            for row in conn.execute(
-                lock,
-                {
-                    "ignored": groups[0]["ignored"],
-                    "tenants": [g["tenant_id"] for g in groups],
-                    "keys": [Jsonb(g["key"]) for g in groups],
-                },
-            ).fetchall():
-                members[(str(row["tenant_id"]), _canon(row["key"]))].append(row)
+            for columns in set(ignored.values()):
+                alike = [g for g in groups if ignored[id(g)] == columns]
+                for row in conn.execute(
+                    lock,
+                    {
+                        "ignored": list(columns),
+                        "tenants": [g["tenant_id"] for g in alike],
+                        "keys": [g["key_text"] for g in alike],
+                    },
+                ).fetchall():
+                    members[(str(row["tenant_id"]), row["key_text"])].append(row)
             doomed: list[str] = []
             for group in groups:
-                rows = members[(str(group["tenant_id"]), _canon(group["key"]))]
+                rows = members[(str(group["tenant_id"]), group["key_text"])]
                 where = {
                     "tenant_id": group["tenant_id"],
                     "rule": rule.name,
-                    "key": Jsonb(group["key"]),
+                    "key": group["key_text"],
                 }
+                if not rows and _still_there(conn, recount, group):
+                    # Its key matched none of the rows that are there: the report
+                    # and the table disagree on how the key reads. Leave it open.
+                    log.warning("conflict_key_unmatched", rule=rule.name, key=group["key"])
+                    unmatched += 1
+                    continue
                 versions = len({r["content"] for r in rows})
                 if versions > 1:
+                    stored = _stored_ignored(ignored[id(group)], _named(shape, group))
                     execute(
                         conn,
                         "reclassify_conflict",
-                        where | {"versions": versions, "copies": len(rows)},
+                        where | {"versions": versions, "copies": len(rows), "ignored": stored},
                     )
                     reclassified += 1
                     continue
@@ -388,17 +510,31 @@ def resolve_rule(
                 quarantined += conn.execute(
                     quarantine, {"ctids": doomed, "rule": rule.name, "table_name": rule.table}
                 ).rowcount
-    return Resolved(rule.name, collapsed, quarantined, reclassified)
+    return Resolved(rule.name, collapsed, quarantined, reclassified, unmatched)
+
+
+def _named(shape: _Shape, group: Row) -> tuple[str, ...]:
+    """The columns the operator named for a group of the report, of those still there."""
+    return tuple(c for c in _named_ignored(group["ignored"]) if c in shape.columns)
+
+
+def _still_there(conn: psycopg.Connection[Row], recount: sql.Composed, group: Row) -> bool:
+    """Whether rows of the group remain, compared column by column with its key's values."""
+    row = conn.execute(
+        recount, {"tenant_id": group["tenant_id"], "key": group["key_text"]}
+    ).fetchone()
+    return row is not None and row["copies"] > 0
 
 
 def remaining_conflicts(conn: psycopg.Connection[Row], rule: UniqueRule) -> Counter[str]:
     """Groups that would make the index build fail now, by classification or `unclassified`."""
     parts = _parts(rule, _shape(conn, rule))
     report = fetch_one(conn, "table_exists", {"table": "payhook.uniqueness_conflicts"})
-    if report is None or not report["present"]:  # before the migration that creates it
-        found = conn.execute(_template("find_conflicts", parts)).fetchall()
-        return Counter(unclassified=len(found)) if found else Counter()
-    rows = conn.execute(_template("live_conflicts", parts), {"rule": rule.name}).fetchall()
+    with _pinned_transaction(conn):
+        if report is None or not report["present"]:  # before the migration that creates it
+            found = conn.execute(_template("find_conflicts", parts)).fetchall()
+            return Counter(unclassified=len(found)) if found else Counter()
+        rows = conn.execute(_template("live_conflicts", parts), {"rule": rule.name}).fetchall()
     return Counter(r["classification"] or "unclassified" for r in rows)
 
 
@@ -439,23 +575,39 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     if not rules:
         print("no pending migration adds a unique rule to check", file=sys.stderr)
         return 0
+    pending = not args.table
     remaining = False
-    with connect(settings, "uniqueness", options=f"-c lock_timeout={LOCK_TIMEOUT}") as conn:
+    options = f"-c lock_timeout={LOCK_TIMEOUT} {SESSION_OPTIONS}"
+    with connect(settings, "uniqueness", options=options) as conn:
         for rule in rules:
-            if args.action == "check":
-                ignore = tuple(c.strip() for c in (args.ignore or "").split(",") if c.strip())
-                summary = check_rule(conn, rule, ignore).summary()
-                remaining |= summary["groups"] > 0
-            else:
-                summary = asdict(resolve_rule(conn, rule))
-                left = remaining_conflicts(conn, rule)
-                summary["remaining"] = dict(left)
-                remaining |= bool(left)
+            if isinstance(rule, UncheckableRule):
+                print(
+                    json.dumps({"rule": rule.name, "skipped": f"cannot be checked: {rule.reason}"})
+                )
+                continue
+            try:
+                if args.action == "check":
+                    ignore = tuple(c.strip() for c in (args.ignore or "").split(",") if c.strip())
+                    summary = check_rule(conn, rule, ignore).summary()
+                    remaining |= summary["groups"] > 0
+                else:
+                    summary = asdict(resolve_rule(conn, rule))
+                    left = remaining_conflicts(conn, rule)
+                    summary["remaining"] = dict(left)
+                    remaining |= bool(left)
+            except NotYetThere:
+                if not pending:
+                    raise
+                # As `migrate` does: no row can break a rule before its table
+                # or column exists.
+                summary = {"rule": rule.name, "skipped": CREATED_BY_MIGRATION}
             print(json.dumps(summary, default=str))
     return 1 if remaining else 0
 
 
-def _chosen_rules(args: argparse.Namespace, settings: Settings) -> list[UniqueRule]:
+def _chosen_rules(
+    args: argparse.Namespace, settings: Settings
+) -> list[UniqueRule | UncheckableRule]:
     from payhook.migrations import pending_migrations
 
     if args.table:
@@ -465,9 +617,11 @@ def _chosen_rules(args: argparse.Namespace, settings: Settings) -> list[UniqueRu
         if not columns:
             raise RuleError("--columns: name at least one column, comma-separated")
         return [UniqueRule(args.rule, args.table, columns)]
-    rules = [r for m in pending_migrations(settings) for r in rules_in(m.path.read_text())]
+    rules = [r for m in pending_migrations(settings) for r in all_rules_in(m.path.read_text())]
     chosen = [r for r in rules if args.rule in (None, r.name)]
     if args.rule is not None and not chosen:
         pending = ", ".join(r.name for r in rules) or "none"
         raise RuleError(f"--rule {args.rule}: no pending migration adds it (pending: {pending})")
+    if args.rule is not None and isinstance(chosen[0], UncheckableRule):
+        raise RuleError(f"--rule {args.rule}: cannot be checked: {chosen[0].reason}")
     return chosen

@@ -1,11 +1,14 @@
 -- table_columns --
 -- The columns of a table, and what each is: its type, generated (identity or
--- serial), stamped on arrival (a default of now()), its place in the primary
--- key; and whether the table is partitioned or has child tables.
+-- serial), defaulting to a random uuid, stamped on arrival (a default of
+-- now()), its place in the primary key (from 0); and whether the table is partitioned
+-- or has child tables.
 SELECT a.attname AS name, format_type(a.atttypid, a.atttypmod) AS type,
        EXISTS (SELECT 1 FROM pg_inherits WHERE inhparent = a.attrelid) AS has_children,
        a.attidentity <> ''
            OR coalesce(pg_get_expr(d.adbin, d.adrelid), '') LIKE 'nextval(%%' AS generated,
+       coalesce(pg_get_expr(d.adbin, d.adrelid), '')
+           ~ '^(\w+\.)?(gen_random_uuid|uuid_generate_v[14]|uuidv[47])\(\)$' AS random_default,
        coalesce(pg_get_expr(d.adbin, d.adrelid), '')
            IN ('now()', 'CURRENT_TIMESTAMP', 'statement_timestamp()', 'clock_timestamp()')
            AS arrival_stamp,
@@ -20,7 +23,7 @@ SELECT a.attname AS name, format_type(a.atttypid, a.atttypmod) AS type,
 -- One group the check found, classified, in the report.
 INSERT INTO payhook.uniqueness_conflicts
        (tenant_id, rule, table_name, key, copies, versions, classification, ignored)
-VALUES (%(tenant_id)s, %(rule)s, %(table_name)s, %(key)s, %(copies)s, %(versions)s,
+VALUES (%(tenant_id)s, %(rule)s, %(table_name)s, %(key)s::jsonb, %(copies)s, %(versions)s,
         %(classification)s, %(ignored)s)
     ON CONFLICT (tenant_id, rule, key) DO UPDATE
    SET copies = excluded.copies, versions = excluded.versions,
@@ -34,10 +37,14 @@ UPDATE payhook.uniqueness_conflicts
  WHERE rule = %(rule)s AND resolved_at IS NULL AND checked_at < now()
 
 -- open_redeliveries --
--- A batch of unresolved redelivery groups of a rule, for resolve.
-SELECT tenant_id, key, ignored
+-- A batch of unresolved redelivery groups of a rule, for resolve, after the
+-- last group of the previous batch (none: from the first). The key also as
+-- text, which reads back exactly.
+SELECT tenant_id, key, key::text AS key_text, ignored
   FROM payhook.uniqueness_conflicts
  WHERE rule = %(rule)s AND classification = 'redelivery' AND resolved_at IS NULL
+   AND (%(after_tenant)s::uuid IS NULL
+        OR (tenant_id, key) > (%(after_tenant)s::uuid, %(after_key)s::jsonb))
  ORDER BY tenant_id, key
  LIMIT %(limit)s
 
@@ -45,11 +52,19 @@ SELECT tenant_id, key, ignored
 -- A group resolve collapsed, or found already gone.
 UPDATE payhook.uniqueness_conflicts
    SET resolved_at = now()
- WHERE tenant_id = %(tenant_id)s AND rule = %(rule)s AND key = %(key)s
+ WHERE tenant_id = %(tenant_id)s AND rule = %(rule)s AND key = %(key)s::jsonb
 
 -- reclassify_conflict --
--- A redelivery group whose rows no longer agree: legitimate rows after all.
+-- A redelivery group whose rows no longer agree: legitimate rows after all;
+-- with the columns that were left out when they were compared.
 UPDATE payhook.uniqueness_conflicts
    SET classification = 'distinct', versions = %(versions)s, copies = %(copies)s,
-       checked_at = now()
- WHERE tenant_id = %(tenant_id)s AND rule = %(rule)s AND key = %(key)s
+       ignored = %(ignored)s, checked_at = now()
+ WHERE tenant_id = %(tenant_id)s AND rule = %(rule)s AND key = %(key)s::jsonb
+
+-- pin_key_settings --
+-- For the rest of the transaction, the settings that decide how a key's values
+-- read as jsonb: timestamptz in UTC, ISO dates, postgres intervals, exact floats.
+SELECT set_config('TimeZone', 'UTC', true), set_config('DateStyle', 'ISO', true),
+       set_config('IntervalStyle', 'postgres', true),
+       set_config('extra_float_digits', '3', true)

@@ -1,0 +1,89 @@
+"""How a no-transaction migration is cut into statements, and its unique rules read."""
+
+from __future__ import annotations
+
+from payhook.migrations import split_statements
+from payhook.uniqueness import UniqueRule, rules_in
+
+
+def test_a_comment_after_the_semicolon_does_not_glue_the_next_statement_on() -> None:
+    text = """-- payhook: no-transaction
+CREATE INDEX CONCURRENTLY IF NOT EXISTS a ON payhook.t (x); -- for the alert
+CREATE INDEX CONCURRENTLY IF NOT EXISTS b ON payhook.t (y); /* and the report */
+CREATE INDEX CONCURRENTLY IF NOT EXISTS c ON payhook.t (z)
+"""
+    assert split_statements(text) == [
+        "CREATE INDEX CONCURRENTLY IF NOT EXISTS a ON payhook.t (x)",
+        "CREATE INDEX CONCURRENTLY IF NOT EXISTS b ON payhook.t (y)",
+        "CREATE INDEX CONCURRENTLY IF NOT EXISTS c ON payhook.t (z)",
+    ]
+
+
+def test_semicolons_inside_strings_identifiers_bodies_and_comments_do_not_split() -> None:
+    text = """INSERT INTO t VALUES ('a;
+b', E'it\\'s; fine', 'it''s;');
+SELECT 1 AS "odd;name" /* one; /* nested; */ still comment; */;
+DO $body$ BEGIN PERFORM 1; PERFORM 'x;'; END $body$;
+DO $$ BEGIN PERFORM 2; END $$;
+SELECT 2 -- a comment; not a statement
+;
+"""
+    assert split_statements(text) == [
+        "INSERT INTO t VALUES ('a;\nb', E'it\\'s; fine', 'it''s;')",
+        'SELECT 1 AS "odd;name"',
+        "DO $body$ BEGIN PERFORM 1; PERFORM 'x;'; END $body$",
+        "DO $$ BEGIN PERFORM 2; END $$",
+        "SELECT 2",
+    ]
+
+
+def test_a_statement_that_begins_after_a_comment_is_read_whole() -> None:
+    text = "-- first\n/* block */ CREATE INDEX CONCURRENTLY a ON t (x);\n-- only a comment\n;;"
+    assert split_statements(text) == ["CREATE INDEX CONCURRENTLY a ON t (x)"]
+
+
+def test_a_unique_rule_after_a_trailing_comment_is_still_read() -> None:
+    """Its pre-check would otherwise be skipped as an unreadable rule."""
+    text = """-- payhook: no-transaction
+CREATE INDEX CONCURRENTLY IF NOT EXISTS a ON payhook.t (x); -- for the alert
+CREATE UNIQUE INDEX CONCURRENTLY IF NOT EXISTS t_key /* the rule */
+    ON payhook.t (tenant_id, x);
+"""
+    assert rules_in(text) == [UniqueRule("t_key", "payhook.t", ("tenant_id", "x"))]
+
+
+def test_semicolons_inside_parentheses_do_not_split() -> None:
+    text = """CREATE RULE log_insert AS ON INSERT TO t
+    DO ALSO (INSERT INTO a VALUES (new.x); INSERT INTO b VALUES ((new.y)));
+SELECT 1;
+"""
+    assert split_statements(text) == [
+        "CREATE RULE log_insert AS ON INSERT TO t\n"
+        "    DO ALSO (INSERT INTO a VALUES (new.x); INSERT INTO b VALUES ((new.y)))",
+        "SELECT 1",
+    ]
+
+
+def test_a_begin_atomic_body_is_one_statement_as_psql_reads_it() -> None:
+    text = """CREATE FUNCTION payhook.sign(x int) RETURNS int LANGUAGE sql
+BEGIN ATOMIC
+    SELECT 1;
+    SELECT CASE WHEN x > 0 THEN 1 ELSE -1 END;
+END;
+CREATE INDEX CONCURRENTLY IF NOT EXISTS a ON payhook.t (x);
+"""
+    assert split_statements(text) == [
+        "CREATE FUNCTION payhook.sign(x int) RETURNS int LANGUAGE sql\nBEGIN ATOMIC\n"
+        "    SELECT 1;\n    SELECT CASE WHEN x > 0 THEN 1 ELSE -1 END;\nEND",
+        "CREATE INDEX CONCURRENTLY IF NOT EXISTS a ON payhook.t (x)",
+    ]
+
+
+def test_a_transaction_begin_and_words_that_contain_begin_or_end_still_split() -> None:
+    text = "BEGIN; SELECT begin_at, legend FROM t; COMMIT; SELECT E'\\'; end'"
+    assert split_statements(text) == [
+        "BEGIN",
+        "SELECT begin_at, legend FROM t",
+        "COMMIT",
+        "SELECT E'\\'; end'",
+    ]
