@@ -131,8 +131,15 @@ def apply_event(
     else (`ignored` for unknown types, `malformed` for unreadable bodies).
     An event whose gateway timestamp is older than `horizon` (default: now
     minus the default receipt retention) is refused the same way, with the
-    outcome `beyond_horizon` and an exception row.
+    outcome `beyond_horizon` and an exception row. An event to act on
+    without a timestamp is a bug of its gateway adapter, which refuses one
+    as malformed: it raises `ValueError` and applies nothing.
     """
+    if forced_outcome is None and event.kind is not None and event.occurred_at is None:
+        raise ValueError(
+            f"event {event.event_id!r} ({event.event_type}) has no gateway timestamp: "
+            "the retention horizon cannot judge it"
+        )
     key = {"tenant_id": endpoint.tenant_id, "event_id": event.event_id}
     horizon = horizon or receipt_horizon(DEFAULT_RECEIPT_RETENTION)
     if forced_outcome is None and beyond_horizon(event.occurred_at, horizon):

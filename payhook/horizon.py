@@ -2,9 +2,13 @@
 
 A receipt may leave the live table only once no gateway will deliver its
 event again, so the receipt retention is never shorter than the longest
-redelivery window plus a margin. An event whose gateway timestamp is older
-than the horizon (now minus the receipt retention) is refused by the
-consumer, so a very late delivery can never create a second effect.
+redelivery window plus a margin; it then moves to an archive the consumer
+still reads. An event whose gateway timestamp is older than the horizon (now
+minus the receipt retention) is refused by the consumer: a second guard, for
+an event so late that it falls outside everything payhook promises to keep.
+The guard needs that timestamp, so the gateways refuse an event payhook acts
+on without a readable one as malformed (`payhook.gateways`); only an event of
+a type payhook ignores may come without.
 """
 
 from __future__ import annotations
@@ -37,7 +41,8 @@ def receipt_horizon(retention: float, now: datetime | None = None) -> datetime:
 
 
 def beyond_horizon(occurred_at: datetime | None, horizon: datetime) -> bool:
-    """True for an event older than the horizon; an event without a timestamp is not."""
+    """True for an event older than the horizon. An event without a timestamp
+    cannot be judged and is not; no event payhook acts on comes without one."""
     return occurred_at is not None and occurred_at < horizon
 
 

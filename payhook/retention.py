@@ -10,9 +10,12 @@ Delivered outbox rows, resolved exceptions and security anomalies are deleted
 after their own retention. Open exceptions, pending and dead outbox rows are
 never deleted, and a receipt whose exception is open stays live.
 
-Every batch is one short transaction that takes its rows with
-`FOR UPDATE SKIP LOCKED`, so a run never waits for a consumer, never makes a
-consumer wait for more than one batch, and several runs may overlap.
+A run takes its cutoffs once, from the database's clock, and every batch
+(or the dry run's count) compares with those: the horizons it reports are
+exactly the ones it used, however long it runs. Every batch is one short
+transaction that takes its rows with `FOR UPDATE SKIP LOCKED`, so a run never
+waits for a consumer, never makes a consumer wait for more than one batch,
+and several runs may overlap.
 """
 
 from __future__ import annotations
@@ -80,10 +83,13 @@ def _check_anomaly_retention(settings: Settings) -> None:
         )
 
 
-def _horizons(now: datetime, retentions: dict[str, float]) -> dict[str, str]:
-    """The cutoffs of the database's `now`, in UTC."""
-    now = now.astimezone(UTC)
-    return {k: (now - timedelta(seconds=v)).isoformat() for k, v in retentions.items()}
+def retention_cutoffs(conn: psycopg.Connection[Row], settings: Settings) -> dict[str, datetime]:
+    """Each kind's cutoff, in UTC: the database's `now` minus its retention.
+    Rows older than their cutoff are eligible."""
+    clock = fetch_one(conn, "database_now")
+    assert clock is not None
+    now = clock["now"].astimezone(UTC)
+    return {k: now - timedelta(seconds=v) for k, v in retention_seconds(settings).items()}
 
 
 def run_retention(
@@ -91,9 +97,11 @@ def run_retention(
 ) -> RetentionRun:
     """Archive old receipts and delete old bookkeeping, batch by batch."""
     _check_anomaly_retention(settings)
-    retentions = retention_seconds(settings)
+    # Taken once: every batch compares with these, and they are what the run reports.
+    cutoffs = retention_cutoffs(conn, settings)
+    horizons = {k: v.isoformat() for k, v in cutoffs.items()}
     if dry_run:
-        counts = fetch_one(conn, "count_expired", retentions)
+        counts = fetch_one(conn, "count_expired", cutoffs)
         assert counts is not None
         return RetentionRun(
             True,
@@ -102,19 +110,15 @@ def run_retention(
             counts["exceptions"],
             counts["anomalies"],
             0,
-            _horizons(counts["now"], retentions),
+            horizons,
         )
-    # The statements compare with the database's clock; so do the horizons shown.
-    clock = fetch_one(conn, "database_now")
-    assert clock is not None
-    horizons = _horizons(clock["now"], retentions)
     batch = settings.retention_batch
     batches = 0
     archived = 0
     while True:
         with conn.transaction():
             row = fetch_one(
-                conn, "archive_receipts", {"retention": retentions["receipts"], "batch": batch}
+                conn, "archive_receipts", {"cutoff": cutoffs["receipts"], "batch": batch}
             )
         assert row is not None
         batches += 1
@@ -131,7 +135,7 @@ def run_retention(
         while True:
             with conn.transaction():
                 count = conn.execute(
-                    query(statement), {"retention": retentions[name], "batch": batch}
+                    query(statement), {"cutoff": cutoffs[name], "batch": batch}
                 ).rowcount
             batches += 1
             deleted[name] += count

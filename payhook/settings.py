@@ -14,6 +14,7 @@ from typing import Any
 
 from payhook.errors import SettingsError
 from payhook.horizon import (
+    DAY,
     DEFAULT_RECEIPT_RETENTION,
     REDELIVERY_MARGIN,
     REDELIVERY_WINDOWS,
@@ -27,6 +28,11 @@ DEFAULT_QUEUE = "payhook-events"
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
+#: Seconds no duration may exceed: 100 years. Retentions and windows are
+#: subtracted from now, by Python and by PostgreSQL; a few million days would
+#: reach before year 1 (`OverflowError`) or 4713 BC (`timestamp out of range`)
+#: at the first event or run instead of at start.
+MAX_DURATION = 36500 * DAY
 
 
 class Secret(str):
@@ -37,16 +43,22 @@ class Secret(str):
 
 
 def parse_duration(name: str, raw: str) -> float:
-    """`"90"`, `"90s"`, `"5m"`, `"400d"` or `"250ms"` as seconds."""
+    """`"90"`, `"90s"`, `"5m"`, `"400d"` or `"250ms"` as seconds, at most `MAX_DURATION`."""
     match = _DURATION.match(raw)
     if match is None:
         raise SettingsError(f"{name}: expected a duration such as 30s, 5m or 400d, got {raw!r}")
-    return float(match.group(1)) * _UNITS[match.group(2)]
+    seconds = float(match.group(1)) * _UNITS[match.group(2)]
+    if seconds > MAX_DURATION:
+        raise SettingsError(
+            f"{name}: expected at most {describe(MAX_DURATION)} (100 years), got {raw!r}"
+        )
+    return seconds
 
 
-#: Duration settings: attribute, variable and the least value that makes sense.
-#: Zero would reload the endpoint table in a loop, refuse every webhook with a
-#: 503, or delete rows (and with them alerts) as soon as they are written.
+#: Duration settings: attribute, variable and the least value that makes sense
+#: (the most, for every duration, is `MAX_DURATION`). Zero would reload the
+#: endpoint table in a loop, refuse every webhook with a 503, or delete rows
+#: (and with them alerts) as soon as they are written.
 DURATIONS: dict[str, tuple[str, float]] = {
     "endpoint_refresh": ("PAYHOOK_ENDPOINT_REFRESH", 0.1),
     "enqueue_timeout": ("PAYHOOK_ENQUEUE_TIMEOUT", 0.01),

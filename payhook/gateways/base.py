@@ -32,6 +32,9 @@ class Event:
     event_type: str
     #: One of KINDS, or None for a type payhook does not act on.
     kind: str | None
+    #: When the gateway says the event happened. Never None for an event of
+    #: one of KINDS: `parse` refuses such an event as malformed, since the
+    #: retention horizon could not judge its age. Optional for other types.
     occurred_at: datetime | None
     gateway_order_id: str | None
     merchant_reference: str | None
@@ -94,7 +97,8 @@ class Gateway(Protocol):
         """
 
     def parse(self, headers: Mapping[str, str], body: bytes) -> Event:
-        """The normalized event of an authentic request; `MalformedEvent` if unreadable."""
+        """The normalized event of an authentic request; `MalformedEvent` if
+        unreadable, or of one of KINDS without a readable gateway timestamp."""
 
     def unreadable_digest(self, body: bytes) -> str:
         """The digest of an authentic body `parse` refused, stable across the

@@ -98,6 +98,10 @@ class StandardGateway:
         payment = data.get("data")
         if kind is None:
             return Event(event_id, event_type, None, occurred_at, None, None, None, None, digest)
+        if occurred_at is None:
+            # The horizon guard judges an event by this time: without it, an
+            # event of any age would pass.
+            raise MalformedEvent("timestamp: expected an ISO 8601 time with its UTC offset")
         if not isinstance(payment, dict):
             raise MalformedEvent("data: expected an object")
         return Event(
@@ -163,10 +167,15 @@ def _read_headers(headers: Mapping[str, str]) -> tuple[str, int, list[bytes]]:
 
 
 def _parse_time(value: object) -> datetime | None:
+    """An ISO 8601 time with its offset (`Z` or `z` for UTC, as RFC 3339
+    allows); None for anything else, a time without an offset included: its
+    instant is unknown."""
     if not isinstance(value, str):
         return None
+    if value[-1:] in ("Z", "z"):
+        value = value[:-1] + "+00:00"
     try:
-        parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
+        parsed = datetime.fromisoformat(value)
     except ValueError:
         return None
     return parsed if parsed.tzinfo else None

@@ -93,6 +93,10 @@ class StripeGateway:
         kind = TYPES.get(event_type)
         if kind is None:
             return Event(event_id, event_type, None, occurred_at, None, None, None, None, digest)
+        if occurred_at is None:
+            # The horizon guard judges an event by this time: without it, an
+            # event of any age would pass.
+            raise MalformedEvent("created: expected a Unix time in seconds")
         container = data.get("data")
         obj = container.get("object") if isinstance(container, dict) else None
         if not isinstance(obj, dict):

@@ -1,13 +1,14 @@
 -- archive_receipts --
--- One retention batch: receipts received before the horizon leave the live
--- table and enter the archive in one statement, so any snapshot sees each
--- identity in exactly one of the two. SKIP LOCKED leaves a receipt a
--- consumer holds for the next batch. A receipt whose exception is still open
--- stays live, so the exception can be replayed.
+-- One retention batch: receipts received before the cutoff (the run's
+-- horizon, the same for every batch) leave the live table and enter the
+-- archive in one statement, so any snapshot sees each identity in exactly
+-- one of the two. SKIP LOCKED leaves a receipt a consumer holds for the
+-- next batch. A receipt whose exception is still open stays live, so the
+-- exception can be replayed.
 WITH batch AS (
     SELECT r.tenant_id, r.event_id
       FROM payhook.payment_event_receipts AS r
-     WHERE r.received_at < now() - make_interval(secs => %(retention)s)
+     WHERE r.received_at < %(cutoff)s
        AND NOT EXISTS (
            SELECT 1
              FROM payhook.payment_exceptions AS e
@@ -36,12 +37,12 @@ WITH batch AS (
 SELECT (SELECT count(*) FROM moved) AS moved, (SELECT count(*) FROM archived) AS archived
 
 -- delete_delivered_outbox --
--- One batch of outbox rows delivered before their retention.
+-- One batch of outbox rows delivered before the cutoff.
 WITH batch AS (
     SELECT tenant_id, id
       FROM payhook.payment_outbox
      WHERE state = 'delivered'
-       AND delivered_at < now() - make_interval(secs => %(retention)s)
+       AND delivered_at < %(cutoff)s
      LIMIT %(batch)s
        FOR UPDATE SKIP LOCKED
 )
@@ -50,11 +51,11 @@ DELETE FROM payhook.payment_outbox AS o
  WHERE o.tenant_id = batch.tenant_id AND o.id = batch.id
 
 -- delete_resolved_exceptions --
--- One batch of exceptions resolved before their retention; open ones stay.
+-- One batch of exceptions resolved before the cutoff; open ones stay.
 WITH batch AS (
     SELECT tenant_id, id
       FROM payhook.payment_exceptions
-     WHERE resolved_at < now() - make_interval(secs => %(retention)s)
+     WHERE resolved_at < %(cutoff)s
      LIMIT %(batch)s
        FOR UPDATE SKIP LOCKED
 )
@@ -63,11 +64,11 @@ DELETE FROM payhook.payment_exceptions AS x
  WHERE x.tenant_id = batch.tenant_id AND x.id = batch.id
 
 -- delete_old_anomalies --
--- One batch of security anomalies detected before their retention.
+-- One batch of security anomalies detected before the cutoff.
 WITH batch AS (
     SELECT id
       FROM payhook.security_anomalies
-     WHERE detected_at < now() - make_interval(secs => %(retention)s)
+     WHERE detected_at < %(cutoff)s
      ORDER BY detected_at
      LIMIT %(batch)s
        FOR UPDATE SKIP LOCKED
@@ -77,13 +78,11 @@ DELETE FROM payhook.security_anomalies AS a
  WHERE a.id = batch.id
 
 -- count_expired --
--- What a retention run would move or delete now (the dry run), and the
--- database's now that the horizons count from.
+-- What a retention run with these cutoffs would move or delete (the dry run).
 SELECT
-    now() AS now,
     (SELECT count(*)
        FROM payhook.payment_event_receipts AS r
-      WHERE r.received_at < now() - make_interval(secs => %(receipts)s)
+      WHERE r.received_at < %(receipts)s
         AND NOT EXISTS (
             SELECT 1
               FROM payhook.payment_exceptions AS e
@@ -93,14 +92,14 @@ SELECT
     (SELECT count(*)
        FROM payhook.payment_outbox
       WHERE state = 'delivered'
-        AND delivered_at < now() - make_interval(secs => %(outbox)s)) AS outbox,
+        AND delivered_at < %(outbox)s) AS outbox,
     (SELECT count(*)
        FROM payhook.payment_exceptions
-      WHERE resolved_at < now() - make_interval(secs => %(exceptions)s)) AS exceptions,
+      WHERE resolved_at < %(exceptions)s) AS exceptions,
     (SELECT count(*)
        FROM payhook.security_anomalies
-      WHERE detected_at < now() - make_interval(secs => %(anomalies)s)) AS anomalies
+      WHERE detected_at < %(anomalies)s) AS anomalies
 
 -- database_now --
--- The database's clock, which the retention statements compare with.
+-- The database's clock, which a run's cutoffs count back from.
 SELECT now() AS now

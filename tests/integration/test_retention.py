@@ -19,7 +19,7 @@ from payhook.db import Row, connect, create_pool
 from payhook.errors import SettingsError
 from payhook.operations import format_trace, trace_event
 from payhook.queries import query
-from payhook.retention import retention_seconds, run_retention
+from payhook.retention import RetentionRun, retention_cutoffs, retention_seconds, run_retention
 from payhook.settings import Settings
 from tests.conftest import test_settings
 from tests.factories import Factory, Shop, StandardEvent, envelope, stripe_body, stripe_headers
@@ -265,8 +265,9 @@ def test_redelivery_waiting_on_a_retention_batch_sees_the_archive(
     outcomes: list[str] = []
     with connect(settings, "retention") as batch_conn:
         with batch_conn.transaction():
+            cutoff = retention_cutoffs(batch_conn, settings)["receipts"]
             moved = batch_conn.execute(
-                query("archive_receipts"), {"retention": settings.receipt_retention, "batch": 10}
+                query("archive_receipts"), {"cutoff": cutoff, "batch": 10}
             ).fetchone()
             assert moved is not None and moved["archived"] == 1
             redelivery = threading.Thread(
@@ -521,3 +522,111 @@ def test_anomalies_are_never_deleted_while_their_alert_is_due(
 
     narrow = test_settings(database, PAYHOOK_ANOMALY_RETENTION="1h", PAYHOOK_ALERT_WINDOW="30m")
     assert run_retention(conn, narrow).anomalies_deleted == 1
+
+
+def test_every_batch_of_a_run_compares_with_the_horizons_it_reports(
+    runtime: Runtime, factory: Factory, settings: Settings, database: str
+) -> None:
+    """The cutoffs are taken once, at the start of a run: a receipt that comes
+    of age while a long run goes on is left for the next run, and the horizons
+    printed are the ones every batch used."""
+    shop = factory.shop()
+    factory.order(shop)
+    old, young = StandardEvent(), StandardEvent(type="customer.updated")
+    assert deliver(runtime, factory, shop, old) == "applied"
+    assert deliver(runtime, factory, shop, young) == "ignored"
+    one_by_one = test_settings(database, PAYHOOK_RETENTION_BATCH="1")
+    age_receipts(factory.conn, 500, old.event_id)
+    # One second short of the horizon when the run starts; past it a second later.
+    factory.conn.execute(
+        "UPDATE payhook.payment_event_receipts"
+        " SET received_at = now() - make_interval(secs => %s) + interval '1 second'"
+        " WHERE event_id = %s",
+        (one_by_one.receipt_retention, young.event_id),
+    )
+    results: list[RetentionRun] = []
+    with connect(settings, "test") as blocker, connect(settings, "retention") as retention:
+        # The first batch, archiving `old`, waits for this uncommitted insert
+        # of the same identity: the run's later batches start 2 s later.
+        blocker.execute("BEGIN")
+        blocker.execute(
+            "INSERT INTO payhook.payment_event_receipts_archive"
+            " (tenant_id, event_id, payload_sha256, outcome, received_at)"
+            " VALUES (%s, %s, sha256(''::bytea), 'applied', now())",
+            (shop.tenant_id, old.event_id),
+        )
+        run = threading.Thread(
+            target=lambda: results.append(run_retention(retention, one_by_one)), daemon=True
+        )
+        run.start()
+        try:
+            wait_for_lock_wait(factory.conn, exclude_pid=blocker.info.backend_pid)
+            time.sleep(2)
+        finally:
+            blocker.execute("ROLLBACK")
+            run.join(timeout=30)
+
+    [result] = results
+    horizon = datetime.fromisoformat(result.horizons["receipts"])
+    assert result.receipts_archived == 1
+    assert archived_ids(factory.conn) == {old.event_id}
+    assert live_ids(factory.conn) == {young.event_id}, "it came of age after the run began"
+    row = factory.conn.execute(
+        "SELECT received_at FROM payhook.payment_event_receipts WHERE event_id = %s",
+        (young.event_id,),
+    ).fetchone()
+    assert row is not None and row["received_at"] >= horizon
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "PAYHOOK_RECEIPT_RETENTION",
+        "PAYHOOK_OUTBOX_RETENTION",
+        "PAYHOOK_EXCEPTION_RETENTION",
+        "PAYHOOK_ANOMALY_RETENTION",
+        "PAYHOOK_ALERT_WINDOW",
+    ],
+)
+def test_a_retention_beyond_a_century_stops_the_run_at_start_by_name(
+    factory: Factory, database: str, name: str
+) -> None:
+    """A few million days reach past what Python's and PostgreSQL's calendars
+    hold: every job, run and alert read would fail. Refused before any of them."""
+    factory.shop()
+    result = run_cli(test_settings(database), "retention", "run", **{name: "3000000d"})
+    assert result.returncode == 2
+    assert f"{name}: expected at most 36500d (100 years), got '3000000d'" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_the_longest_retentions_allowed_work_in_the_consumer_and_in_a_run(
+    runtime: Runtime, factory: Factory, database: str
+) -> None:
+    longest = test_settings(
+        database,
+        **{
+            name: "36500d"
+            for name in (
+                "PAYHOOK_RECEIPT_RETENTION",
+                "PAYHOOK_OUTBOX_RETENTION",
+                "PAYHOOK_EXCEPTION_RETENTION",
+                "PAYHOOK_ANOMALY_RETENTION",
+                "PAYHOOK_ALERT_WINDOW",
+            )
+        },
+    )
+    keeping = Runtime(settings=longest, pool=runtime.pool, redis=runtime.redis)
+    shop = factory.shop()
+    order_id = factory.order(shop)
+    event = StandardEvent()
+    payload = json.loads(event.body())
+    payload["timestamp"] = (datetime.now(UTC) - timedelta(days=36000)).isoformat()
+    body = json.dumps(payload).encode()
+    job = envelope(shop, body, event.headers(shop.secret, body)).to_json()
+    assert handle(keeping, job).outcome == "applied"
+    assert factory.order_state(shop, order_id) == "paid"
+    age_receipts(factory.conn, 36000, event.event_id)
+    for dry_run in (True, False):
+        assert run_retention(factory.conn, longest, dry_run=dry_run).receipts_archived == 0
+    assert live_ids(factory.conn) == {event.event_id}

@@ -32,7 +32,12 @@ def fresh_now(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(globals(), "NOW", time.time())
 
 
-PAYMENT = b'{"type": "payment.succeeded", "data": {"gateway_order_id": "g", %b}}'
+PAYMENT = (
+    b'{"type": "payment.succeeded", "timestamp": "2026-01-01T00:00:00Z",'
+    b' "data": {"gateway_order_id": "g", %b}}'
+)
+#: A gateway timestamp without an offset, an epoch number, and others no parse can read.
+UNREADABLE_TIMESTAMPS = ["2025-07-18T22:55:39", 1752879339, "yesterday", "", True, {"at": 1}]
 
 
 def standardwebhooks_headers(secret: str, event_id: str, body: bytes, ts: int) -> dict[str, str]:
@@ -174,7 +179,7 @@ class TestStandard:
         [
             b"not json",
             b"[]",
-            b'{"type": "payment.succeeded"}',
+            b'{"type": "payment.succeeded", "timestamp": "2026-01-01T00:00:00Z"}',
             PAYMENT % b'"amount": "10", "currency": "EUR"',
             PAYMENT % b'"amount": true, "currency": "EUR"',
             PAYMENT % b'"amount": 1, "currency": "EURO"',
@@ -183,6 +188,48 @@ class TestStandard:
     def test_malformed_bodies(self, body: bytes) -> None:
         with pytest.raises(MalformedEvent):
             self.gateway.parse({"webhook-id": "m"}, body)
+
+    @pytest.mark.parametrize("timestamp", [None, *UNREADABLE_TIMESTAMPS])
+    @pytest.mark.parametrize(
+        "event_type",
+        ["payment.succeeded", "payment.failed", "payment.refunded", "payment.disputed"],
+    )
+    def test_an_event_to_act_on_without_a_readable_timestamp_is_malformed(
+        self, event_type: str, timestamp: object
+    ) -> None:
+        """The horizon guard judges an event by its timestamp: an event payhook
+        would act on cannot go without one (None: the field is missing)."""
+        payload = json.loads(StandardEvent(type=event_type).body())
+        if timestamp is None:
+            del payload["timestamp"]
+        else:
+            payload["timestamp"] = timestamp
+        with pytest.raises(MalformedEvent, match=r"^timestamp: expected an ISO 8601 time"):
+            self.gateway.parse({"webhook-id": "m"}, json.dumps(payload).encode())
+
+    @pytest.mark.parametrize("timestamp", [None, *UNREADABLE_TIMESTAMPS])
+    def test_a_type_payhook_ignores_needs_no_timestamp(self, timestamp: object) -> None:
+        payload = json.loads(StandardEvent(type="customer.created").body())
+        if timestamp is None:
+            del payload["timestamp"]
+        else:
+            payload["timestamp"] = timestamp
+        parsed = self.gateway.parse({"webhook-id": "m"}, json.dumps(payload).encode())
+        assert (parsed.kind, parsed.occurred_at) == (None, None)
+
+    @pytest.mark.parametrize(
+        "timestamp",
+        [
+            "2026-01-01T00:00:00Z",
+            "2026-01-01T00:00:00+00:00",
+            "2026-01-01T01:00:00.000+01:00",
+            "2026-01-01t00:00:00z",
+        ],
+    )
+    def test_a_timestamp_with_its_offset_is_read_as_that_instant(self, timestamp: str) -> None:
+        payload = json.loads(StandardEvent().body()) | {"timestamp": timestamp}
+        parsed = self.gateway.parse({"webhook-id": "m"}, json.dumps(payload).encode())
+        assert parsed.occurred_at == datetime(2026, 1, 1, tzinfo=UTC)
 
 
 class TestStripe:
@@ -296,6 +343,44 @@ class TestStripe:
         assert (event.event_id, event.kind, event.cumulative) == ("evt_9", kind, cumulative)
         assert (event.gateway_order_id, event.merchant_reference) == ("pi_1", "order-1")
         assert (event.amount_minor, event.currency) == (700, "EUR")
+
+    @pytest.mark.parametrize("created", [None, "1752879339", 1752879339.5, True, 0, -1, 2**35])
+    @pytest.mark.parametrize(
+        "event_type",
+        [
+            "payment_intent.succeeded",
+            "payment_intent.payment_failed",
+            "charge.refunded",
+            "charge.dispute.created",
+        ],
+    )
+    def test_an_event_to_act_on_without_a_readable_created_is_malformed(
+        self, event_type: str, created: object
+    ) -> None:
+        """As for Standard Webhooks: the horizon guard needs the event's time
+        (None: the field is missing)."""
+        event = json.loads(stripe_body(event_type))
+        if created is None:
+            del event["created"]
+        else:
+            event["created"] = created
+        with pytest.raises(MalformedEvent, match=r"^created: expected a Unix time"):
+            self.gateway.parse({}, json.dumps(event).encode())
+
+    @pytest.mark.parametrize("created", [None, "1752879339", True])
+    def test_a_type_payhook_ignores_needs_no_created(self, created: object) -> None:
+        event = json.loads(stripe_body()) | {"type": "customer.updated"}
+        if created is None:
+            del event["created"]
+        else:
+            event["created"] = created
+        parsed = self.gateway.parse({}, json.dumps(event).encode())
+        assert (parsed.kind, parsed.occurred_at) == (None, None)
+
+    def test_created_is_read_as_unix_seconds(self) -> None:
+        event = json.loads(stripe_body()) | {"created": 1_767_225_600}
+        parsed = self.gateway.parse({}, json.dumps(event).encode())
+        assert parsed.occurred_at == datetime(2026, 1, 1, tzinfo=UTC)
 
     def test_a_payment_counts_what_was_captured_not_what_was_asked(self) -> None:
         """After a partial capture `amount_received` is less than `amount`:
