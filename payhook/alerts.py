@@ -12,13 +12,21 @@ exports every signal as `payhook_alert_value` and `payhook_alert_threshold`
 | `PAYHOOK_ALERT_RETRY_THRESHOLD` | 20 | retries in that window above which it alerts |
 | `PAYHOOK_ALERT_BACKLOG` | 5m | an event job waiting in the queue for longer alerts |
 | `PAYHOOK_OUTBOX_SLA` | 5m | an outbox row undelivered for longer alerts |
+| `PAYHOOK_ALERT_TIMEOUT` | 5s | longest a read of the signals may run or wait for a lock |
+
+Like every duration, the windows are at most `payhook.settings.MAX_DURATION`
+(a hundred years: PostgreSQL cannot subtract an interval of thousands of years
+from now(), and every read would fail). A read that times out (a table locked
+by a migration, `VACUUM FULL`, a `LOCK`) raises `AlertsUnavailable`, as when
+PostgreSQL is down: `payhook check` then exits 2 and the export reports
+`payhook_alerts_up 0`, rather than hanging.
 """
 
 from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TextIO
@@ -48,6 +56,11 @@ BACKLOG_PROBE = 10
 DEFAULT_RETRY_WINDOW = 15 * 60.0
 #: Retries in the window above which the retry alert is active.
 DEFAULT_RETRY_THRESHOLD = 20
+#: Seconds one read of the signals may run, lock waits included, before the
+#: server cancels it and the signals are reported unreadable.
+DEFAULT_TIMEOUT = 5.0
+#: Longest timeout, in seconds, `PAYHOOK_ALERT_TIMEOUT` may set.
+MAX_TIMEOUT = 600.0
 
 #: Every signal, in the order `payhook check` prints them.
 SIGNALS = (
@@ -70,21 +83,20 @@ class AlertsUnavailable(PayhookError):
 
 @dataclass(frozen=True)
 class AlertConfig:
-    """Windows in seconds."""
+    """Windows and the read timeout in seconds."""
 
     window: float = DEFAULT_WINDOW
     retry_window: float = DEFAULT_RETRY_WINDOW
     retry_threshold: int = DEFAULT_RETRY_THRESHOLD
     outbox_sla: float = 300.0
     backlog: float = DEFAULT_BACKLOG
+    timeout: float = DEFAULT_TIMEOUT
 
     @classmethod
     def from_settings(cls, settings: Settings) -> AlertConfig:
         """Read the `PAYHOOK_ALERT_*` variables; a bad one raises `SettingsError` naming it."""
         extra = settings.extra
-        window = DEFAULT_WINDOW
-        if "PAYHOOK_ALERT_WINDOW" in extra:
-            window = parse_duration("PAYHOOK_ALERT_WINDOW", extra["PAYHOOK_ALERT_WINDOW"])
+        window = _bounded(extra, "PAYHOOK_ALERT_WINDOW", DEFAULT_WINDOW)
         retry_window = DEFAULT_RETRY_WINDOW
         if "PAYHOOK_ALERT_RETRY_WINDOW" in extra:
             name = "PAYHOOK_ALERT_RETRY_WINDOW"
@@ -98,14 +110,24 @@ class AlertConfig:
         if "PAYHOOK_ALERT_RETRY_THRESHOLD" in extra:
             name = "PAYHOOK_ALERT_RETRY_THRESHOLD"
             threshold = positive_int(name, extra[name])
-        backlog = DEFAULT_BACKLOG
-        if "PAYHOOK_ALERT_BACKLOG" in extra:
-            backlog = parse_duration("PAYHOOK_ALERT_BACKLOG", extra["PAYHOOK_ALERT_BACKLOG"])
-        if window <= 0:
-            raise SettingsError("PAYHOOK_ALERT_WINDOW: expected a duration above zero")
-        if backlog <= 0:
-            raise SettingsError("PAYHOOK_ALERT_BACKLOG: expected a duration above zero")
-        return cls(window, retry_window, threshold, settings.outbox_sla, backlog)
+        backlog = _bounded(extra, "PAYHOOK_ALERT_BACKLOG", DEFAULT_BACKLOG)
+        timeout = _bounded(extra, "PAYHOOK_ALERT_TIMEOUT", DEFAULT_TIMEOUT, MAX_TIMEOUT)
+        return cls(window, retry_window, threshold, settings.outbox_sla, backlog, timeout)
+
+
+def _bounded(
+    extra: Mapping[str, str], name: str, default: float, most: float | None = None
+) -> float:
+    """The duration variable `name`, above zero and at most `most` seconds
+    (without `most`, at most `MAX_DURATION`, which `parse_duration` enforces)."""
+    if name not in extra:
+        return default
+    seconds = parse_duration(name, extra[name])
+    if seconds <= 0:
+        raise SettingsError(f"{name}: expected a duration above zero")
+    if most is not None and seconds > most:
+        raise SettingsError(f"{name}: expected at most {_duration(most)}, got {extra[name]!r}")
+    return seconds
 
 
 @dataclass(frozen=True)
@@ -128,11 +150,20 @@ class Signal:
 def read_signals(
     conn: psycopg.Connection[Row], redis: Redis, settings: Settings, config: AlertConfig
 ) -> list[Signal]:
-    """Every signal, now. `AlertsUnavailable` when PostgreSQL or Redis does not answer."""
+    """Every signal, now. `AlertsUnavailable` when PostgreSQL or Redis does not answer,
+    or PostgreSQL not within `config.timeout` (a lock held on a table it reads)."""
+    timeout_ms = str(max(1, int(config.timeout * 1000)))
     try:
-        row = fetch_one(
-            conn, "count_alert_signals", {"window": config.window, "sla": config.outbox_sla}
-        )
+        with conn.transaction():
+            fetch_one(conn, "limit_alert_reads", {"timeout_ms": timeout_ms})
+            row = fetch_one(
+                conn, "count_alert_signals", {"window": config.window, "sla": config.outbox_sla}
+            )
+    except (psycopg.errors.QueryCanceled, psycopg.errors.LockNotAvailable) as exc:
+        raise AlertsUnavailable(
+            f"PostgreSQL: no answer within {_duration(config.timeout)} "
+            f"(PAYHOOK_ALERT_TIMEOUT); is a table it reads locked? {exc}".strip()
+        ) from exc
     except psycopg.Error as exc:
         raise AlertsUnavailable(f"PostgreSQL: {exc}".strip()) from exc
     assert row is not None

@@ -15,7 +15,14 @@ rq-dashboard 0.9 as shipped does not fit payhook, so this module wraps it:
   carrying the `_csrf_token` cookie's value in `X-CSRFToken` (its own
   JavaScript already sends it), and no browser may frame the pages;
 - deleting jobs is off: a dead-letter job is the only copy of an event the
-  gateway will not send again.
+  gateway will not send again;
+- its job lists stop at the first job RQ cannot read (a forged or damaged
+  hash or result): here such a job is listed as unreadable beside the others;
+- its pages print job ids and worker fields as HTML, unescaped: here an id RQ
+  would not give is listed as `(unreadable)` and worker fields are escaped;
+- its navbar prints the Redis URL, hiding only a `user:password@` it
+  recognises: here it shows scheme, host, port and database only, and every
+  view uses payhook's own Redis connection.
 
 | variable | default | meaning |
 |---|---|---|
@@ -38,24 +45,40 @@ import signal
 import sys
 import threading
 from dataclasses import dataclass
+from datetime import UTC, datetime
+from html import escape
 from types import FrameType
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 import structlog
 from flask import Flask, Response, current_app, jsonify, render_template, request, url_for
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from rq import Worker
-from rq.job import Job
+from redis import Redis
+from rq import Queue, Worker
+from rq.job import JOB_ID_PATTERN, Job
+from rq.registry import (
+    BaseRegistry,
+    CanceledJobRegistry,
+    DeferredJobRegistry,
+    FailedJobRegistry,
+    FinishedJobRegistry,
+    ScheduledJobRegistry,
+    StartedJobRegistry,
+)
 from rq.serializers import JSONSerializer
+from rq.utils import utcparse
+from rq.worker import BaseWorker
 from werkzeug.serving import make_server
 
-from payhook.alerts import AlertCollector, AlertConfig, Signal, read_signals
+from payhook.alerts import AlertCollector, AlertConfig, AlertsUnavailable, Signal, read_signals
 from payhook.db import connect
 from payhook.errors import NotFound, SettingsError
 from payhook.logs import configure_logging
 from payhook.operations import (
     NotRequeueable,
+    fetch_job,
+    latest_error,
     requeue_all_dead_letters,
     requeue_dead_letter,
 )
@@ -88,6 +111,25 @@ STATE_CHANGING = frozenset(
 PUBLIC_PATHS = frozenset({"/healthz"})
 #: Milliseconds between two refreshes of a dashboard page.
 POLL_INTERVAL_MS = 2500
+#: Most jobs one page of a job list shows.
+MAX_PER_PAGE = 1000
+#: Highest page number of a job list: offsets stay far inside what Redis takes.
+MAX_PAGE = 10**9
+#: Shown in place of a job id RQ would not give (which the dashboard's pages
+#: would print as HTML): no such job can exist, and it needs no escaping.
+UNREADABLE_ID = "(unreadable)"
+#: Shown as an unreadable job's creation time when its hash has none
+#: readable: the pages print it as an invalid date, not as "just now".
+UNKNOWN_TIME = "unknown"
+#: The job registries of a queue, by the name the dashboard's URLs give them.
+REGISTRIES: dict[str, type[BaseRegistry]] = {
+    "failed": FailedJobRegistry,
+    "started": StartedJobRegistry,
+    "finished": FinishedJobRegistry,
+    "deferred": DeferredJobRegistry,
+    "scheduled": ScheduledJobRegistry,
+    "canceled": CanceledJobRegistry,
+}
 
 
 @dataclass(frozen=True)
@@ -154,7 +196,8 @@ def create_app(settings: Settings, user: str, password: str) -> Flask:
     app = Flask(__name__, static_folder=web.blueprint.static_folder)
     app.config.from_object(rq_dashboard.default_settings)
     app.config.update(
-        RQ_DASHBOARD_REDIS_URL=str(settings.redis_url),
+        # Shown in every page's navbar, and nothing else: the views use `redis`.
+        RQ_DASHBOARD_REDIS_URL=display_url(settings.redis_url),
         RQ_DASHBOARD_DISABLE_DELETE=True,
         RQ_DASHBOARD_POLL_INTERVAL=POLL_INTERVAL_MS,
         RQ_DASHBOARD_SHOW_FULL_ARGS=False,
@@ -162,11 +205,24 @@ def create_app(settings: Settings, user: str, password: str) -> Flask:
     app.register_blueprint(web.blueprint)
     web.setup_rq_connection(app)
     redis = redis_connection(settings, timeout=10)
+    # rq-dashboard's views read `app.redis_conn`, which it would connect anew
+    # on each request from the URL above: they get payhook's connection, and
+    # the URL no credentials.
+    app.redis_conn = redis  # type: ignore[attr-defined]
     alert_config = AlertConfig.from_settings(settings)
+    # One read of the signals at a time: a scrape that waits for the one in
+    # progress past the read timeout reports them unreadable, so scrapes
+    # cannot pile up connections while PostgreSQL is slow or a table locked.
+    reading = threading.Lock()
 
     def read_alerts() -> list[Signal]:
-        with connect(settings, "dashboard") as conn:
-            return read_signals(conn, redis, settings, alert_config)
+        if not reading.acquire(timeout=alert_config.timeout):
+            raise AlertsUnavailable("the previous read of the signals has not finished")
+        try:
+            with connect(settings, "dashboard") as conn:
+                return read_signals(conn, redis, settings, alert_config)
+        finally:
+            reading.release()
 
     metrics = CollectorRegistry(auto_describe=False)
     metrics.register(AlertCollector(read_alerts))
@@ -213,6 +269,12 @@ def create_app(settings: Settings, user: str, password: str) -> Flask:
             )
         return response
 
+    def use_one_instance() -> Response | None:
+        # In place of rq-dashboard's, which connects to Redis for each request.
+        if (request.view_args or {}).get("instance_number", 0) != 0:
+            return Response("no such instance\n", 404)
+        return None
+
     def requeue_job_view(job_id: str) -> tuple[Response, int]:
         try:
             requeue_dead_letter(redis, settings, job_id)
@@ -248,30 +310,83 @@ def create_app(settings: Settings, user: str, password: str) -> Flask:
         )
         return Response(page, headers={"Cache-Control": "no-store"})
 
+    def list_jobs(
+        instance_number: int,
+        queue_name: str,
+        registry_name: str,
+        per_page: str,
+        order: str,
+        page: str,
+    ) -> tuple[Response, int]:
+        size, number = _count(per_page, MAX_PER_PAGE), _count(page, MAX_PAGE)
+        if size is None or number is None:
+            return _answer("ERROR", 404, reason="no such page")
+        if registry_name != "queued" and registry_name not in REGISTRIES:
+            return _answer("ERROR", 404, reason=f"no registry {registry_name!r}")
+        queue = Queue(queue_name, connection=redis, serializer=JSONSerializer)
+        ids, total = _page_of_ids(queue, registry_name, (number - 1) * size, size, order == "dsc")
+        rows = [row for row in (_job_row(redis, job_id) for job_id in ids) if row is not None]
+        last = max(1, -(-total // size))
+
+        def link(to: int) -> dict[str, str]:
+            return {
+                "url": url_for(
+                    "rq_dashboard.jobs_overview",
+                    instance_number=instance_number,
+                    queue_name=queue_name,
+                    registry_name=registry_name,
+                    per_page=size,
+                    order=order,
+                    page=to,
+                )
+            }
+
+        pagination: dict[str, Any] = {
+            "current_page": number,
+            "num_pages": -(-total // size),
+            "pages_in_window": [
+                {"number": n} | link(n) for n in web.pagination_window(total, number, size)
+            ],
+            "first_page": link(1),
+            "last_page": link(last),
+        }
+        if number > 1:
+            pagination["prev_page"] = link(number - 1)
+        if number < last:
+            pagination["next_page"] = link(number + 1)
+        return _answer_data(
+            name=queue_name, registry_name=registry_name, jobs=rows, pagination=pagination
+        )
+
     def list_workers(instance_number: int) -> tuple[Response, int]:
+        # The workers page prints these as HTML, unescaped, but for the
+        # current job's description: whoever writes Redis writes them.
         workers = [
             {
-                "name": worker.name,
+                "name": escape(worker.name),
                 "pid": worker.pid,
-                "queues": [q.name for q in worker.queues],
-                "state": str(worker.get_state()),
-                "current_job": web.serialize_current_job(worker.get_current_job()),
+                "queues": [escape(q.name) for q in worker.queues],
+                "state": escape(str(worker.get_state())),
+                "current_job": _current_job(worker),
                 "last_heartbeat": worker.last_heartbeat,
                 "birth_date": worker.birth_date,
                 "successful_job_count": worker.successful_job_count,
                 "failed_job_count": worker.failed_job_count,
                 "total_working_time": worker.total_working_time,
-                "version": getattr(worker, "version", ""),
-                "python_version": getattr(worker, "python_version", ""),
+                "version": escape(str(getattr(worker, "version", ""))),
+                "python_version": escape(str(getattr(worker, "python_version", ""))),
             }
             for worker in Worker.all(connection=redis, serializer=JSONSerializer)
         ]
         workers.sort(key=lambda w: (w["state"], w["queues"], w["name"]))
         return jsonify(workers=workers), 200
 
-    # rq-dashboard's own views for these read jobs with pickle or requeue
-    # without the serializer; the URLs stay, the functions are ours.
+    # rq-dashboard's own views for these read jobs with pickle, requeue
+    # without the serializer, or fail on the first job they cannot read; the
+    # URLs stay, the functions are ours.
+    app.before_request_funcs["rq_dashboard"] = [use_one_instance]
     app.view_functions["rq_dashboard.requeue_job_view"] = requeue_job_view
+    app.view_functions["rq_dashboard.list_jobs"] = list_jobs
     app.view_functions["rq_dashboard.requeue_all"] = requeue_all
     app.view_functions["rq_dashboard.job_view"] = job_view
     app.view_functions["rq_dashboard.list_workers"] = list_workers
@@ -324,6 +439,130 @@ def run(settings: Settings, host: str | None = None, port: int | None = None) ->
     return 0
 
 
+def display_url(url: str) -> str:
+    """`url` as the dashboard shows it: scheme, host, port (or socket path) and
+    database only.
+
+    Credentials never show, whether in the userinfo (an unescaped '@' in the
+    password included) or in the query string (`?password=`). An unescaped
+    '/', '?' or '#' in the password ends the userinfo early, for redis-py as
+    for anyone: the rest of the URL cannot be told from the password, so such
+    a URL shows as its scheme alone.
+    """
+    parts = urlsplit(url)
+    if "@" in parts.path + parts.query + parts.fragment:
+        return f"{parts.scheme}://"
+    db = parse_qs(parts.query).get("db", [""])[0]
+    query = f"?db={db}" if db.isascii() and db.isdecimal() else ""
+    if parts.scheme == "unix":
+        return f"unix://{parts.path}{query}"
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    try:
+        port = f":{parts.port}" if parts.port else ""
+    except ValueError:
+        port = ""
+    number = parts.path.strip("/")
+    path = parts.path if number.isascii() and number.isdecimal() else ""
+    return f"{parts.scheme}://{host}{port}{path}{query}"
+
+
+def _page_of_ids(
+    queue: Queue, registry_name: str, offset: int, size: int, newest_first: bool
+) -> tuple[list[str], int]:
+    """One page of the job ids of `queue` or of one of its registries, and how many there are."""
+    if registry_name == "queued":
+        total = queue.count
+        if not newest_first:
+            return queue.get_job_ids(offset, size), total
+        end = total - offset
+        start = max(0, end - size)
+        return list(reversed(queue.get_job_ids(start, max(0, end - start)))), total
+    registry = REGISTRIES[registry_name](queue=queue)
+    total = registry.get_job_count(cleanup=False)
+    ids = registry.get_job_ids(offset, offset + size - 1, desc=newest_first, cleanup=False)
+    return ids, total
+
+
+def _job_row(redis: Redis, job_id: str) -> dict[str, Any] | None:
+    """A job as the dashboard lists it; None if it is gone. A job RQ cannot
+    read is listed as such, so that it hides no other.
+
+    rq-dashboard's job list prints `id` (and the times, once its JavaScript has
+    made them relative) as HTML, and escapes `description` and `exc_info`: an
+    id RQ would not give is shown only in the description.
+    """
+    if not JOB_ID_PATTERN.fullmatch(job_id):
+        return {
+            "id": UNREADABLE_ID,
+            "description": f"unreadable job: {job_id!r} is not a job id",
+            "created_at": UNKNOWN_TIME,
+        }
+    try:
+        job = fetch_job(redis, job_id)
+    except NotFound:
+        return None
+    except NotRequeueable as exc:
+        return {
+            "id": job_id,
+            "description": f"unreadable job: {exc}",
+            "created_at": _stored_time(redis, job_id),
+        }
+    return {
+        "id": job.id,
+        "created_at": _iso(job.created_at),
+        "started_at": _iso(job.started_at),
+        "ended_at": _iso(job.ended_at),
+        "exc_info": latest_error(job),
+        "description": job.description,
+    }
+
+
+def _stored_time(redis: Redis, job_id: str) -> str:
+    """An unreadable job's creation time, if its hash holds a readable one."""
+    raw = redis.hget(Job.key_for(job_id), "created_at")
+    try:
+        text = raw.decode() if isinstance(raw, bytes) else str(raw)
+        return _iso(utcparse(text)) or UNKNOWN_TIME
+    except (UnicodeDecodeError, ValueError):
+        return UNKNOWN_TIME
+
+
+def _count(text: str, most: int) -> int | None:
+    """`text` as a number from 1 to `most`, or None."""
+    if not (text.isascii() and text.isdecimal() and len(text) <= len(str(most))):
+        return None
+    number = int(text)
+    return number if 1 <= number <= most else None
+
+
+def _current_job(worker: BaseWorker) -> str | dict[str, Any]:
+    """The job `worker` is running, as the workers page reads it."""
+    job_id = worker.get_current_job_id()
+    if job_id is None:
+        return "idle"
+    if not JOB_ID_PATTERN.fullmatch(job_id):
+        return {"job_id": UNREADABLE_ID, "call_string": UNREADABLE_ID}
+    try:
+        job = fetch_job(worker.connection, job_id)
+    except (NotFound, NotRequeueable):
+        return {"job_id": job_id, "call_string": UNREADABLE_ID}
+    return {
+        "job_id": job.id,
+        "description": job.description,  # escaped by the page
+        "created_at": _iso(job.created_at),
+        "call_string": escape(job.get_call_string() or ""),
+    }
+
+
+def _iso(value: datetime | None) -> str | None:
+    """A job's time as rq-dashboard's pages read it: ISO 8601 in UTC."""
+    if value is None:
+        return None
+    return (value if value.tzinfo else value.replace(tzinfo=UTC)).astimezone(UTC).isoformat()
+
+
 def _refuse_forgery() -> str | None:
     """Why this state-changing request may be forged, or None when it is the dashboard's own."""
     if request.method != "POST":
@@ -346,6 +585,10 @@ def _same(given: str, expected: str) -> bool:
 
 
 def _answer(status: str, code: int, **data: Any) -> tuple[Response, int]:
-    response = jsonify(status=status, **data)
+    return _answer_data(code, status=status, **data)
+
+
+def _answer_data(code: int = 200, **data: Any) -> tuple[Response, int]:
+    response = jsonify(**data)
     response.headers["Cache-Control"] = "no-store"
     return response, code

@@ -181,7 +181,7 @@ def list_dead_letters(redis: Redis, settings: Settings, limit: int = 50) -> list
     jobs: list[dict[str, Any]] = []
     for job_id in ids:
         try:
-            job = _fetch(redis, job_id)
+            job = fetch_job(redis, job_id)
         except NotFound:
             continue
         except NotRequeueable as exc:
@@ -196,8 +196,7 @@ def list_dead_letters(redis: Redis, settings: Settings, limit: int = 50) -> list
                 }
             )
             continue
-        result = job.latest_result()
-        error = (result.exc_string or "").strip().splitlines() if result else []
+        error = (latest_error(job) or "").strip().splitlines()
         jobs.append(
             {
                 "id": job.id,
@@ -211,11 +210,33 @@ def list_dead_letters(redis: Redis, settings: Settings, limit: int = 50) -> list
     return jobs
 
 
+def latest_error(job: Job) -> str | None:
+    """The traceback stored with `job`'s latest result; None if it has none.
+
+    RQ decodes the stored result (base64, zlib, the serializer) when it is
+    read: a damaged or forged result reads as `unreadable result: <error type>`
+    instead of raising, so that one such job does not hide the others.
+    """
+    try:
+        result = job.latest_result()
+    except RedisError:
+        raise
+    except Exception as exc:  # whatever a malformed result entry raises in RQ
+        kind = type(exc)
+        name = (
+            kind.__qualname__
+            if kind.__module__ == "builtins"
+            else f"{kind.__module__}.{kind.__qualname__}"
+        )
+        return f"unreadable result: {name}"
+    return result.exc_string if result else None
+
+
 def requeue_dead_letter(redis: Redis, settings: Settings, job_id: str) -> Job:
     """Move one dead-letter job back onto the events queue with a fresh retry budget."""
     queue = events_queue(redis, settings)
     registry = FailedJobRegistry(queue=queue)
-    job = _fetch(redis, job_id)
+    job = fetch_job(redis, job_id)
     if job.origin != queue.name:
         raise NotRequeueable(f"job {job_id} belongs to queue {job.origin!r}, not {queue.name!r}")
     if not _readable(job) or job.func_name != APPLY_EVENT:
@@ -226,7 +247,7 @@ def requeue_dead_letter(redis: Redis, settings: Settings, job_id: str) -> Job:
     return _requeue(registry, queue, job)
 
 
-def _fetch(redis: Redis, job_id: str) -> Job:
+def fetch_job(redis: Redis, job_id: str) -> Job:
     """The job `job_id`: `NotFound` if there is none, `NotRequeueable` if RQ
     cannot read its hash (forged or damaged: one such job must not stop an
     operator from listing or requeuing the others)."""

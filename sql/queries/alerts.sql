@@ -32,3 +32,12 @@ SELECT
     (SELECT count(*)
        FROM payhook.payment_outbox
       WHERE state = 'dead') AS outbox_dead
+
+
+-- limit_alert_reads --
+-- Bound the rest of this transaction: a statement that runs, or waits for a
+-- lock, longer than %(timeout_ms)s milliseconds is cancelled, so a table
+-- locked by a migration or a VACUUM FULL makes the signals unreadable instead
+-- of keeping their reader waiting.
+SELECT set_config('statement_timeout', %(timeout_ms)s, true),
+       set_config('lock_timeout', %(timeout_ms)s, true)

@@ -7,12 +7,16 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
 import psycopg
+import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+from psycopg import sql
 from redis import Redis
 from rq.registry import FailedJobRegistry, ScheduledJobRegistry
 from rq.utils import utcformat
@@ -31,7 +35,8 @@ from payhook.alerts import (
 from payhook.db import Row, connect
 from payhook.gateways import get_gateway
 from payhook.queue import events_queue
-from payhook.settings import Settings
+from payhook.settings import MAX_DURATION, Settings
+from tests.conftest import test_settings
 from tests.factories import Factory, Shop, StandardEvent
 from tests.processes import process_env
 
@@ -51,6 +56,30 @@ def check(settings: Settings, **extra: str) -> subprocess.CompletedProcess[str]:
         text=True,
         timeout=30,
     )
+
+
+@contextmanager
+def locked(settings: Settings, table: str, *, at_most: float = 5.0) -> Iterator[None]:
+    """`table` locked, as a migration's ALTER TABLE or a VACUUM FULL locks it.
+
+    The server ends the locking session after `at_most` seconds, so that a
+    reader without a timeout of its own fails its test late instead of hanging it.
+    """
+    locker = psycopg.connect(str(settings.database_url), autocommit=True)
+    locker.execute(
+        "SELECT set_config('idle_in_transaction_session_timeout', %s, false)",
+        [str(int(at_most * 1000))],
+    )
+    locker.execute("BEGIN")
+    locker.execute(
+        sql.SQL("LOCK TABLE {} IN ACCESS EXCLUSIVE MODE").format(sql.Identifier("payhook", table))
+    )
+    try:
+        yield
+    finally:
+        with suppress(psycopg.Error):
+            locker.rollback()
+        locker.close()
 
 
 def values(conn: psycopg.Connection[Row], redis: Redis, settings: Settings) -> dict[str, int]:
@@ -204,6 +233,45 @@ def test_check_fails_loudly_when_redis_does_not_answer(settings: Settings) -> No
     failed = check(settings, REDIS_URL=f"redis://127.0.0.1:{port}/0")
     assert failed.returncode == 2
     assert "Redis" in failed.stderr
+
+
+def test_check_cannot_tell_rather_than_hang_behind_a_locked_table(settings: Settings) -> None:
+    """A table the signals read is locked: `payhook check` exits 2 within
+    `PAYHOOK_ALERT_TIMEOUT`, as when PostgreSQL is down, and says why."""
+    for table in ("payment_outbox", "security_anomalies", "payment_exceptions"):
+        with locked(settings, table):
+            started = time.monotonic()
+            blocked = check(settings, PAYHOOK_ALERT_TIMEOUT="200ms")
+            took = time.monotonic() - started
+        assert blocked.returncode == 2, (table, blocked.returncode, blocked.stderr)
+        assert "PAYHOOK_ALERT_TIMEOUT" in blocked.stderr and "locked" in blocked.stderr
+        assert took < 4, table
+    assert check(settings, PAYHOOK_ALERT_TIMEOUT="200ms").returncode == 0
+
+
+def test_a_timed_out_read_leaves_the_connection_as_it_was(
+    conn: psycopg.Connection[Row], settings: Settings, redis_conn: Redis
+) -> None:
+    """The timeouts bound the read's own transaction, not the caller's session."""
+    config = replace(AlertConfig.from_settings(settings), timeout=0.2)
+    with locked(settings, "payment_outbox"):
+        started = time.monotonic()
+        with pytest.raises(AlertsUnavailable, match=r"within 0\.2s"):
+            read_signals(conn, redis_conn, settings, config)
+        assert time.monotonic() - started < 3
+    assert conn.execute("SHOW statement_timeout").fetchone() == {"statement_timeout": "0"}
+    assert conn.execute("SHOW lock_timeout").fetchone() == {"lock_timeout": "0"}
+    assert len(read_signals(conn, redis_conn, settings, config)) == len(SIGNALS)
+
+
+def test_the_longest_window_allowed_is_one_postgresql_can_read(
+    conn: psycopg.Connection[Row], database: str, redis_conn: Redis
+) -> None:
+    longest = f"{int(MAX_DURATION // 86400)}d"
+    settings = test_settings(database, PAYHOOK_ALERT_WINDOW=longest, PAYHOOK_OUTBOX_SLA=longest)
+    config = AlertConfig.from_settings(settings)
+    assert config.window == config.outbox_sla == MAX_DURATION
+    assert len(read_signals(conn, redis_conn, settings, config)) == len(SIGNALS)
 
 
 def test_an_event_refused_beyond_the_horizon_raises_the_late_events_alert(

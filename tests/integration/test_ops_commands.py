@@ -240,6 +240,34 @@ def test_an_unreadable_job_in_the_dead_letter_queue_stops_nothing(
     assert registry.get_job_ids() == ["bad-date"]
 
 
+def test_a_dead_letter_job_whose_result_cannot_be_read_hides_no_other(
+    factory: Factory, settings: Settings, redis_conn: Redis
+) -> None:
+    """RQ decodes a job's stored result when it is read: one damaged or forged
+    (here not zlib) is listed as unreadable, and every other job still is."""
+    shop = factory.shop()
+    queue = events_queue(redis_conn, settings)
+    damaged, good = (
+        dead_letter(
+            redis_conn,
+            queue,
+            enqueue_event(queue, factory.standard_envelope(shop, StandardEvent()), settings),
+        )
+        for _ in range(2)
+    )
+    redis_conn.xadd(f"rq:results:{damaged.id}", {"type": "2", "exc_string": "bm90IHpsaWI="})
+
+    status, text = run(settings, "dlq", "list")
+    listed = {row["id"]: row for row in lines(text)}
+    assert status == 0 and set(listed) == {damaged.id, good.id}
+    assert listed[damaged.id]["error"] == "unreadable result: zlib.error"
+    assert listed[damaged.id]["function"] == APPLY_EVENT
+    assert "runtime is not installed" in listed[good.id]["error"]
+    done = run_cli(settings, "dlq", "list")
+    assert done.returncode == 0 and "Traceback" not in done.stderr
+    assert {row["id"] for row in lines(done.stdout)} == {damaged.id, good.id}
+
+
 def test_two_requeues_of_one_job_at_once_put_it_on_the_queue_once(
     factory: Factory, settings: Settings, redis_conn: Redis
 ) -> None:

@@ -13,7 +13,7 @@ import yaml
 
 from payhook.alerts import SIGNALS, AlertConfig, Signal, _duration
 from payhook.errors import SettingsError
-from payhook.settings import Settings
+from payhook.settings import MAX_DURATION, Settings
 
 RULES = Path(__file__).resolve().parents[2] / "ops" / "prometheus"
 #: Metric names `payhook.alerts.AlertCollector` exports.
@@ -90,3 +90,28 @@ def test_alert_settings_are_read_and_checked() -> None:
         with pytest.raises(SettingsError, match="PAYHOOK_ALERT_BACKLOG"):
             AlertConfig.from_settings(Settings.from_env({"PAYHOOK_ALERT_BACKLOG": bad}))
     assert [_duration(s) for s in (86400, 172800, 900, 90)] == ["24h", "2d", "15m", "90s"]
+
+
+def test_windows_postgresql_cannot_use_are_refused_at_start() -> None:
+    """A window of thousands of years would fail every read as if PostgreSQL
+    were down; it stops the process with the variable's name instead. The
+    bound is the one on every duration, enforced where settings are read."""
+    for name in ("PAYHOOK_ALERT_WINDOW", "PAYHOOK_OUTBOX_SLA", "PAYHOOK_ALERT_BACKLOG"):
+        for absurd in ("3000000d", "36501d", "36500.01d", "9" * 400):
+            with pytest.raises(
+                SettingsError, match=rf"{name}: expected at most 36500d \(100 years\)"
+            ):
+                AlertConfig.from_settings(Settings.from_env({name: absurd}))
+    longest = AlertConfig.from_settings(
+        Settings.from_env({"PAYHOOK_ALERT_WINDOW": "36500d", "PAYHOOK_ALERT_BACKLOG": "36500d"})
+    )
+    assert longest.window == longest.backlog == MAX_DURATION == 36500 * 86400
+
+
+def test_the_read_timeout_is_read_and_checked() -> None:
+    assert AlertConfig.from_settings(Settings.from_env({})).timeout == 5
+    read = AlertConfig.from_settings(Settings.from_env({"PAYHOOK_ALERT_TIMEOUT": "250ms"}))
+    assert read.timeout == 0.25
+    for bad in ("0s", "soon", "11m"):
+        with pytest.raises(SettingsError, match="PAYHOOK_ALERT_TIMEOUT"):
+            AlertConfig.from_settings(Settings.from_env({"PAYHOOK_ALERT_TIMEOUT": bad}))
