@@ -267,7 +267,12 @@ def _send_now(connection: AbstractConnection, data: bytes) -> None:
     writer = connection._writer
     if writer is None:
         raise RedisConnectionError("the connection is closed")
-    writer.write(data)
+    try:
+        writer.write(data)
+    except Exception as exc:
+        # A transport closed under the writer (its reader has not yet seen
+        # the connection go) refuses the bytes: a connection error, a 503.
+        raise RedisConnectionError(f"writing to Redis failed: {exc!r}") from exc
 
 
 def _as_error(exc: BaseException) -> Exception:

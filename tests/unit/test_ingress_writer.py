@@ -398,3 +398,39 @@ def test_a_writer_that_outlived_its_event_loop_connects_anew_on_the_next() -> No
         asyncio.run(next_loop())
     assert "Redis did not reply in time" in str(raised.value)
     assert len(redis.made) == 2 and redis.made[1].sent == [batch(b"b")]
+
+
+class ClosedTransport(FakeConnection):
+    """A connection whose transport closed before its reader saw it: uvloop's
+    transport refuses the write with a RuntimeError."""
+
+    def write(self, data: bytes) -> None:
+        raise RuntimeError("unable to perform operation on <TCPTransport closed=True>")
+
+
+def test_a_write_the_transport_refuses_is_a_connection_error_and_the_next_batch_connects_anew() -> (
+    None
+):
+    redis = FakeRedis()
+    made = redis.made
+    connections = iter([ClosedTransport, FakeConnection])
+
+    def connect() -> FakeConnection:
+        connection = next(connections)(redis)
+        made.append(connection)
+        return connection
+
+    jobs_writer = JobWriter(connect, 5)  # type: ignore[arg-type]
+
+    async def scenario() -> BaseException | None:
+        try:
+            await jobs_writer.write(job(b"a"))
+        except Exception as exc:
+            error: BaseException | None = exc
+        else:
+            error = None
+        await jobs_writer.write(job(b"b"))
+        return error
+
+    assert isinstance(asyncio.run(scenario()), RedisConnectionError)
+    assert made[1].sent == [batch(b"b")]
