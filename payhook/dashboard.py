@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import json
 import logging
 import secrets
 import signal
@@ -381,6 +382,36 @@ def create_app(settings: Settings, user: str, password: str) -> Flask:
         workers.sort(key=lambda w: (w["state"], w["queues"], w["name"]))
         return jsonify(workers=workers), 200
 
+    def job_info(instance_number: int, job_id: str) -> tuple[Response, int]:
+        """The job page's data. rq-dashboard's page prints every field as
+        HTML, so each is escaped here: a job hash written by anyone who can
+        write to Redis must not put markup in an operator's page. A job RQ
+        cannot read is shown as such, not answered with a 500."""
+        if not JOB_ID_PATTERN.fullmatch(job_id):
+            return _answer("ERROR", 404, reason="not a job id")
+        try:
+            job = fetch_job(redis, job_id)
+        except NotFound:
+            return _answer("ERROR", 404, reason="no such job")
+        except NotRequeueable as exc:
+            return _answer_data(**_job_page(job_id, description=f"unreadable job: {exc}"))
+        return _answer_data(
+            **_job_page(
+                job.id,
+                description=job.description,
+                origin=job.origin,
+                # The page offers a requeue for the status "failed".
+                status=_readable(lambda: getattr(job.get_status(), "value", None)),
+                result=_readable(job.return_value),
+                exc_info=latest_error(job),
+                metadata=_readable(lambda: json.dumps(job.get_meta(), default=repr)),
+                created_at=_iso(job.created_at),
+                enqueued_at=_iso(job.enqueued_at),
+                started_at=_iso(job.started_at),
+                ended_at=_iso(job.ended_at),
+            )
+        )
+
     # rq-dashboard's own views for these read jobs with pickle, requeue
     # without the serializer, or fail on the first job they cannot read; the
     # URLs stay, the functions are ours.
@@ -389,6 +420,7 @@ def create_app(settings: Settings, user: str, password: str) -> Flask:
     app.view_functions["rq_dashboard.list_jobs"] = list_jobs
     app.view_functions["rq_dashboard.requeue_all"] = requeue_all
     app.view_functions["rq_dashboard.job_view"] = job_view
+    app.view_functions["rq_dashboard.job_info"] = job_info
     app.view_functions["rq_dashboard.list_workers"] = list_workers
 
     @app.get("/healthz")
@@ -554,6 +586,32 @@ def _current_job(worker: BaseWorker) -> str | dict[str, Any]:
         "created_at": _iso(job.created_at),
         "call_string": escape(job.get_call_string() or ""),
     }
+
+
+#: The job page's fields it prints as HTML, and those it reads as times.
+JOB_PAGE_TEXTS = ("description", "origin", "status", "result", "exc_info", "metadata")
+JOB_PAGE_TIMES = ("created_at", "enqueued_at", "started_at", "ended_at")
+
+
+def _job_page(job_id: str, **fields: Any) -> dict[str, Any]:
+    """The job page's data: the texts escaped, the times as they are (the page
+    shows a missing one as `-`, and `unknown` as an invalid date)."""
+    page: dict[str, Any] = {"id": job_id}
+    for name in JOB_PAGE_TEXTS:
+        value = fields.get(name)
+        page[name] = None if value is None else escape(str(value))
+    for name in JOB_PAGE_TIMES:
+        page[name] = fields.get(name)
+    page["created_at"] = page["created_at"] or UNKNOWN_TIME
+    return page
+
+
+def _readable(read: Any) -> Any:
+    """What `read()` returns, or why it could not be read."""
+    try:
+        return read()
+    except Exception as exc:
+        return f"unreadable: {exc.__class__.__name__}"
 
 
 def _iso(value: datetime | None) -> str | None:

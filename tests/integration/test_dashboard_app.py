@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import html
 import time
 import uuid
 from collections.abc import Iterator
@@ -434,3 +435,27 @@ def test_scrapes_behind_a_locked_table_hold_one_connection_at_most(
             time.sleep(0.02)
         assert [scrape.result() for scrape in scrapes] == [0] * 6
     assert most == 1
+
+
+def test_the_job_page_escapes_every_field_and_shows_an_unreadable_job(
+    client: FlaskClient, factory: Factory, settings: Settings, redis_conn: Redis
+) -> None:
+    """rq-dashboard's job page prints each field of its data as HTML, and
+    rq-dashboard's own data view fails on a job RQ cannot read."""
+    job = failed_event_job(factory, settings, redis_conn)
+    redis_conn.hset(job.key, mapping={"description": MARKUP, "origin": MARKUP})
+    page = client.get(f"/0/data/job/{job.id}.json", headers=AUTH)
+    assert page.status_code == 200
+    data = page.get_json()
+    assert data["description"] == data["origin"] == html.escape(MARKUP)
+    for name in ("description", "origin", "status", "result", "exc_info", "metadata"):
+        assert "<" not in str(data[name]) and ">" not in str(data[name]), name
+    assert data["status"] == "failed"  # the page's requeue button
+    assert data["created_at"] and data["ended_at"]
+
+    damaged = redis_conn.hgetall(job.key) | {b"status": b"no such status"}
+    redis_conn.hset("rq:job:damaged", mapping=damaged)  # type: ignore[arg-type]
+    unreadable = client.get("/0/data/job/damaged.json", headers=AUTH)
+    assert unreadable.status_code == 200
+    assert unreadable.get_json()["description"].startswith("unreadable job: ")
+    assert client.get("/0/data/job/gone.json", headers=AUTH).status_code == 404
