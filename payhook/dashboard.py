@@ -327,7 +327,7 @@ def create_app(settings: Settings, user: str, password: str) -> Flask:
         queue = Queue(queue_name, connection=redis, serializer=JSONSerializer)
         ids, total = _page_of_ids(queue, registry_name, (number - 1) * size, size, order == "dsc")
         rows = [row for row in (_job_row(redis, job_id) for job_id in ids) if row is not None]
-        last = max(1, -(-total // size))
+        pages = -(-total // size)
 
         def link(to: int) -> dict[str, str]:
             return {
@@ -344,16 +344,16 @@ def create_app(settings: Settings, user: str, password: str) -> Flask:
 
         pagination: dict[str, Any] = {
             "current_page": number,
-            "num_pages": -(-total // size),
+            "num_pages": pages,
             "pages_in_window": [
                 {"number": n} | link(n) for n in web.pagination_window(total, number, size)
             ],
             "first_page": link(1),
-            "last_page": link(last),
+            "last_page": link(max(1, pages)),
         }
         if number > 1:
             pagination["prev_page"] = link(number - 1)
-        if number < last:
+        if number < pages:
             pagination["next_page"] = link(number + 1)
         return _answer_data(
             name=queue_name, registry_name=registry_name, jobs=rows, pagination=pagination

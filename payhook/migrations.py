@@ -306,11 +306,9 @@ def _without_lock_timeout(conn: psycopg.Connection[Row]) -> Iterator[None]:
 
 #: Errors after which dropping an invalid index is tried again (QueryCanceled
 #: only when the drop ran out of its own time: see `_ran_out_of_time`).
-_DROP_RETRYABLE = (
-    psycopg.errors.LockNotAvailable,
-    psycopg.errors.QueryCanceled,
-    psycopg.errors.DeadlockDetected,
-)
+#: Errors of a drop worth another try. (It runs with no lock timeout, as
+#: every concurrent statement does: a lock wait ends in its statement timeout.)
+_DROP_RETRYABLE = (psycopg.errors.QueryCanceled, psycopg.errors.DeadlockDetected)
 
 
 def _drop_invalid_index(
@@ -344,8 +342,8 @@ def _drop_invalid_index(
 
 
 def _ran_out_of_time(exc: psycopg.Error, elapsed: float, budget: float) -> bool:
-    """Whether a failed drop is worth trying again: a lock or deadlock error, or
-    a cancel that came once its time was up.
+    """Whether a failed drop is worth trying again: a deadlock, or a cancel
+    that came once its time was up.
 
     A statement timeout and an operator's pg_cancel_backend raise the same
     error (57014), told apart only by translated message text: the time the

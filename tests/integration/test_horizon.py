@@ -22,12 +22,12 @@ from consumer.replay import NotReplayable, replay_exception
 from consumer.transaction import Endpoint, apply_event
 from payhook.db import Row, create_pool
 from payhook.gateways import Event
+from payhook.horizon import DAY
 from payhook.settings import Settings
 from tests.factories import Factory, Shop, StandardEvent, envelope, stripe_body, stripe_headers
 
-DAY = 86400
 #: Long enough ago that the horizon would refuse it, had it a timestamp to judge.
-OLD = int(time.time()) - 500 * DAY
+OLD = int(time.time() - 500 * DAY)
 
 
 @pytest.fixture
@@ -126,7 +126,7 @@ def test_a_payment_with_a_readable_timestamp_inside_the_horizon_is_applied(
 ) -> None:
     shop = factory.shop(gateway)
     order_id = factory.order(shop)
-    recent = int(time.time()) - 30 * DAY
+    recent = int(time.time() - 30 * DAY)
     if gateway == "standard":
         stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(recent))
         job = standard_job(shop, StandardEvent(), stamp)

@@ -626,7 +626,13 @@ def test_the_longest_retentions_allowed_work_in_the_consumer_and_in_a_run(
     job = envelope(shop, body, event.headers(shop.secret, body)).to_json()
     assert handle(keeping, job).outcome == "applied"
     assert factory.order_state(shop, order_id) == "paid"
+    # A second event, applied now, its receipt then made older than the retention.
+    past = StandardEvent(gateway_order_id="pi_past", merchant_reference="ref_past")
+    factory.order(shop, merchant_reference="ref_past", gateway_order_id="pi_past")
+    assert handle(keeping, factory.standard_envelope(shop, past).to_json()).outcome == "applied"
     age_receipts(factory.conn, 36000, event.event_id)
+    age_receipts(factory.conn, 36600, past.event_id)
     for dry_run in (True, False):
-        assert run_retention(factory.conn, longest, dry_run=dry_run).receipts_archived == 0
+        assert run_retention(factory.conn, longest, dry_run=dry_run).receipts_archived == 1
     assert live_ids(factory.conn) == {event.event_id}
+    assert archived_ids(factory.conn) == {past.event_id}
