@@ -430,7 +430,7 @@ def check_rule(
                     for g in groups
                 ],
             )
-        execute(conn, "close_vanished_conflicts", {"rule": rule.name})
+        execute(conn, "close_vanished_conflicts", {"rule": rule.name, "table_name": rule.table})
     return CheckReport(rule, ignored, sorted(groups, key=lambda g: (g.tenant_id, _canon(g.key))))
 
 
@@ -459,7 +459,9 @@ def resolve_rule(
     while True:
         with _pinned_transaction(conn):
             groups = fetch_all(
-                conn, "open_redeliveries", {"rule": rule.name, "limit": batch} | after
+                conn,
+                "open_redeliveries",
+                {"rule": rule.name, "table_name": rule.table, "limit": batch} | after,
             )
             if not groups:
                 break
@@ -485,6 +487,7 @@ def resolve_rule(
                 where = {
                     "tenant_id": group["tenant_id"],
                     "rule": rule.name,
+                    "table_name": rule.table,
                     "key": group["key_text"],
                 }
                 if not rows and _still_there(conn, recount, group):
@@ -534,7 +537,9 @@ def remaining_conflicts(conn: psycopg.Connection[Row], rule: UniqueRule) -> Coun
         if report is None or not report["present"]:  # before the migration that creates it
             found = conn.execute(_template("find_conflicts", parts)).fetchall()
             return Counter(unclassified=len(found)) if found else Counter()
-        rows = conn.execute(_template("live_conflicts", parts), {"rule": rule.name}).fetchall()
+        rows = conn.execute(
+            _template("live_conflicts", parts), {"rule": rule.name, "table_name": rule.table}
+        ).fetchall()
     return Counter(r["classification"] or "unclassified" for r in rows)
 
 

@@ -20,29 +20,32 @@ SELECT a.attname AS name, format_type(a.atttypid, a.atttypmod) AS type,
  ORDER BY a.attnum
 
 -- record_conflict --
--- One group the check found, classified, in the report.
+-- One group the check found, classified, in the report. (Named by its
+-- constraint: before 0007 the key left the table out.)
 INSERT INTO payhook.uniqueness_conflicts
        (tenant_id, rule, table_name, key, copies, versions, classification, ignored)
 VALUES (%(tenant_id)s, %(rule)s, %(table_name)s, %(key)s::jsonb, %(copies)s, %(versions)s,
         %(classification)s, %(ignored)s)
-    ON CONFLICT (tenant_id, rule, key) DO UPDATE
-   SET copies = excluded.copies, versions = excluded.versions,
+    ON CONFLICT ON CONSTRAINT uniqueness_conflicts_pkey DO UPDATE
+   SET table_name = excluded.table_name, copies = excluded.copies, versions = excluded.versions,
        classification = excluded.classification, ignored = excluded.ignored,
        checked_at = now(), resolved_at = NULL
 
 -- close_vanished_conflicts --
--- After a check: groups of the rule it no longer found are resolved.
+-- After a check: groups of the rule on that table it no longer found are resolved.
 UPDATE payhook.uniqueness_conflicts
    SET resolved_at = now()
- WHERE rule = %(rule)s AND resolved_at IS NULL AND checked_at < now()
+ WHERE rule = %(rule)s AND table_name = %(table_name)s AND resolved_at IS NULL
+   AND checked_at < now()
 
 -- open_redeliveries --
--- A batch of unresolved redelivery groups of a rule, for resolve, after the
+-- A batch of unresolved redelivery groups of a rule on a table, for resolve, after the
 -- last group of the previous batch (none: from the first). The key also as
 -- text, which reads back exactly.
 SELECT tenant_id, key, key::text AS key_text, ignored
   FROM payhook.uniqueness_conflicts
- WHERE rule = %(rule)s AND classification = 'redelivery' AND resolved_at IS NULL
+ WHERE rule = %(rule)s AND table_name = %(table_name)s AND classification = 'redelivery'
+   AND resolved_at IS NULL
    AND (%(after_tenant)s::uuid IS NULL
         OR (tenant_id, key) > (%(after_tenant)s::uuid, %(after_key)s::jsonb))
  ORDER BY tenant_id, key
@@ -52,7 +55,8 @@ SELECT tenant_id, key, key::text AS key_text, ignored
 -- A group resolve collapsed, or found already gone.
 UPDATE payhook.uniqueness_conflicts
    SET resolved_at = now()
- WHERE tenant_id = %(tenant_id)s AND rule = %(rule)s AND key = %(key)s::jsonb
+ WHERE tenant_id = %(tenant_id)s AND rule = %(rule)s AND table_name = %(table_name)s
+   AND key = %(key)s::jsonb
 
 -- reclassify_conflict --
 -- A redelivery group whose rows no longer agree: legitimate rows after all;
@@ -60,7 +64,8 @@ UPDATE payhook.uniqueness_conflicts
 UPDATE payhook.uniqueness_conflicts
    SET classification = 'distinct', versions = %(versions)s, copies = %(copies)s,
        ignored = %(ignored)s, checked_at = now()
- WHERE tenant_id = %(tenant_id)s AND rule = %(rule)s AND key = %(key)s::jsonb
+ WHERE tenant_id = %(tenant_id)s AND rule = %(rule)s AND table_name = %(table_name)s
+   AND key = %(key)s::jsonb
 
 -- pin_key_settings --
 -- For the rest of the transaction, the settings that decide how a key's values

@@ -30,20 +30,31 @@ HAVING count(*) > 1
 
 -- live_conflicts --
 -- The groups that would make the index build fail now, with the report's
--- classification when the report still describes them (same number of rows).
-WITH live AS (
+-- classification when the report still describes them (same number of rows),
+-- checked on the table or on one of its partitions or child tables.
+WITH RECURSIVE family (relid) AS (
+    SELECT to_regclass(%(table_name)s)::oid
+     UNION
+    SELECT i.inhrelid FROM pg_inherits AS i JOIN family AS f ON i.inhparent = f.relid
+), live AS (
     SELECT {tenant} AS tenant_id, {key} AS key, count(*) AS copies
       FROM {table}
      WHERE {scope}
      GROUP BY {columns}
     HAVING count(*) > 1
 )
-SELECT live.tenant_id, live.key, live.copies,
-       CASE WHEN c.copies = live.copies THEN c.classification END AS classification
+SELECT live.tenant_id, live.key, live.copies, c.classification
   FROM live
-  LEFT JOIN payhook.uniqueness_conflicts AS c
-    ON c.tenant_id = live.tenant_id AND c.rule = %(rule)s AND c.key = live.key
-   AND c.resolved_at IS NULL
+  LEFT JOIN LATERAL (
+        SELECT c.classification
+          FROM payhook.uniqueness_conflicts AS c
+         WHERE c.tenant_id = live.tenant_id AND c.rule = %(rule)s AND c.key = live.key
+           AND c.copies = live.copies AND c.resolved_at IS NULL
+           AND to_regclass(c.table_name) IN (SELECT relid FROM family)
+         -- Checked twice (on the table and on its partition): the graver one.
+         ORDER BY c.classification = 'distinct' DESC
+         LIMIT 1
+       ) AS c ON true
 
 -- lock_group_rows --
 -- The rows of some groups, locked, in primary-key order, with a digest of

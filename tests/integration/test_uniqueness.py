@@ -457,3 +457,71 @@ def test_resolve_refuses_a_partitioned_table_whose_ctids_repeat_across_partition
     assert resolve_rule(conn, one).quarantined == 1
     rows = conn.execute("SELECT k FROM public.parted ORDER BY k").fetchall()
     assert [r["k"] for r in rows] == ["x", "y1", "y2"]
+
+
+def test_partitions_checked_and_resolved_one_by_one_keep_their_own_groups(
+    conn: psycopg.Connection[Row],
+) -> None:
+    """The way `resolve` asks for a partitioned table: each partition by name,
+    under the rule's one name. The same key in two partitions is two groups;
+    checking or resolving one partition leaves the other's open; and the
+    guard on the parent reads the partitions' classifications."""
+    conn.execute(
+        "CREATE TABLE public.split (tenant_id uuid NOT NULL, k text, part int NOT NULL,"
+        " note text) PARTITION BY LIST (part)"
+    )
+    for part in (1, 2):
+        conn.execute(
+            f"CREATE TABLE public.split_{part} PARTITION OF public.split FOR VALUES IN ({part})"
+        )
+    tenant = str(uuid.uuid4())
+    conn.execute(
+        "INSERT INTO public.split VALUES (%(t)s, 'x', 1, 'a'), (%(t)s, 'x', 1, 'a'),"
+        " (%(t)s, 'x', 2, 'a'), (%(t)s, 'x', 2, 'a'), (%(t)s, 'y', 2, 'a'), (%(t)s, 'y', 2, 'b')",
+        {"t": tenant},
+    )
+    columns = ("tenant_id", "k")
+    first, second = (UniqueRule("split_key", f"public.split_{p}", columns) for p in (1, 2))
+
+    assert check_rule(conn, first).summary()["groups"] == 1
+    assert check_rule(conn, second).summary()["groups"] == 2
+
+    def open_groups() -> list[tuple[str, str, str]]:
+        rows = conn.execute(
+            "SELECT table_name, key->>'k' AS k, classification FROM payhook.uniqueness_conflicts"
+            " WHERE rule = 'split_key' AND resolved_at IS NULL ORDER BY 1, 2"
+        ).fetchall()
+        return [(r["table_name"], r["k"], r["classification"]) for r in rows]
+
+    assert open_groups() == [
+        ("public.split_1", "x", "redelivery"),
+        ("public.split_2", "x", "redelivery"),
+        ("public.split_2", "y", "distinct"),
+    ]
+    assert resolve_rule(conn, first).quarantined == 1
+    assert open_groups() == [
+        ("public.split_2", "x", "redelivery"),
+        ("public.split_2", "y", "distinct"),
+    ], "the other partition's groups are still open"
+    assert resolve_rule(conn, second).quarantined == 1
+    assert open_groups() == [("public.split_2", "y", "distinct")]
+    # On the parent: `y` as its partition classified it, and `x`, one row left
+    # in each partition, a group no partition's check can see.
+    parent = UniqueRule("split_key", "public.split", columns)
+    assert remaining_conflicts(conn, parent) == {"distinct": 1, "unclassified": 1}
+
+
+def test_the_report_works_before_the_migration_that_keys_it_by_table(
+    conn: psycopg.Connection[Row],
+) -> None:
+    """`payhook uniqueness` runs before `migrate`, perhaps with 0007 pending."""
+    conn.execute(
+        "ALTER TABLE payhook.uniqueness_conflicts DROP CONSTRAINT uniqueness_conflicts_pkey,"
+        " ADD CONSTRAINT uniqueness_conflicts_pkey PRIMARY KEY (tenant_id, rule, key)"
+    )
+    add_exception(conn, "evt_twice")
+    add_exception(conn, "evt_twice")
+    assert check_rule(conn, EXCEPTIONS_RULE).summary()["redelivery"] == 1
+    assert check_rule(conn, EXCEPTIONS_RULE).summary()["redelivery"] == 1, "checked again"
+    assert resolve_rule(conn, EXCEPTIONS_RULE).quarantined == 1
+    assert remaining_conflicts(conn, EXCEPTIONS_RULE) == {}
