@@ -50,6 +50,7 @@ from payhook.db import Row, connect, fetch_one
 from payhook.errors import MigrationError
 from payhook.queries import query, sql_root
 from payhook.settings import Settings
+from payhook.sqltext import IDENTIFIER, QUALIFIED, identifier, qualified, split_statements
 from payhook.uniqueness import SESSION_OPTIONS, RuleError, require_no_conflicts, rules_in
 
 log = structlog.get_logger(__name__)
@@ -74,10 +75,6 @@ LOCK_POLL_MAX = 1.0
 NO_TRANSACTION_MARKER = "-- payhook: no-transaction"
 
 _NAME = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
-#: A word of SQL outside quotes: a keyword or an unquoted identifier.
-_WORD = re.compile(r"\w[\w$]*")
-#: The start of a dollar-quoted string: `$$` or `$tag$`.
-_DOLLAR_QUOTE = re.compile(r"\$(?:[A-Za-z_][A-Za-z0-9_]*)?\$")
 #: Statements whose waits never queue writers: they run without lock_timeout.
 _CONCURRENTLY = re.compile(
     r"^\s*(?:CREATE\s+(?:UNIQUE\s+)?INDEX|DROP\s+INDEX|REINDEX\s+(?:\([^)]*\)\s*)?\w+)"
@@ -85,8 +82,8 @@ _CONCURRENTLY = re.compile(
     re.IGNORECASE,
 )
 _CONCURRENT_INDEX = re.compile(
-    r"^\s*CREATE\s+(?:UNIQUE\s+)?INDEX\s+CONCURRENTLY\s+(?:IF\s+NOT\s+EXISTS\s+)?(\w+)"
-    r"\s+ON\s+(?:ONLY\s+)?(\w+(?:\.\w+)?)",
+    r"^\s*CREATE\s+(?:UNIQUE\s+)?INDEX\s+CONCURRENTLY\s+(?:IF\s+NOT\s+EXISTS\s+)?"
+    rf"(?!ON\b)({IDENTIFIER})\s+ON\s+(?:ONLY\s+)?({QUALIFIED})",
     re.IGNORECASE,
 )
 
@@ -281,7 +278,7 @@ def _execute(conn: psycopg.Connection[Row], statement: LiteralString, attempts: 
         if index is None:
             conn.execute(statement)
             return
-        name, table = index.group(1), index.group(2)
+        name, table = identifier(index.group(1)), qualified(index.group(2))
         _drop_invalid_index(conn, table, name, attempts)
         try:
             conn.execute(statement)
@@ -404,97 +401,3 @@ def _left_behind(row: Row | None, drop: sql.Composed, tries: int, exc: Exception
         f"the invalid index {row['schema_name']}.{row['index_name']} could not be dropped "
         f"in {tries} tries ({exc}); {effect}. Drop it now, from psql: {statement};"
     )
-
-
-def split_statements(text: str) -> list[LiteralString]:
-    """The SQL statements of a migration, without comments or their final `;`.
-
-    Splits, as psql does, on `;` outside quoted strings (`'...'`, `E'...'`),
-    quoted identifiers, dollar-quoted bodies, comments (`--`, nested `/* */`),
-    parentheses (`CREATE RULE ... DO ALSO (a; b)`) and `BEGIN ... END` blocks
-    (a `BEGIN ATOMIC` function body, with its `CASE ... END`s): a `BEGIN` or
-    `CASE` that is not the statement's first word opens a block, `END` closes
-    one. Comments are left out of the statements.
-    """
-    statements: list[str] = []
-    current: list[str] = []
-    parens = blocks = words = 0
-    i, n = 0, len(text)
-    while i < n:
-        char = text[i]
-        word = _WORD.match(text, i) if char.isalpha() or char == "_" else None
-        if word is not None and not _word_before(text, i):
-            words += 1
-            keyword = word.group().lower()
-            if keyword in ("begin", "case") and words > 1:
-                blocks += 1
-            elif keyword == "end" and blocks:
-                blocks -= 1
-            current.append(word.group())
-            i = word.end()
-            continue
-        if text.startswith("--", i):
-            end = text.find("\n", i)
-            i = n if end < 0 else end
-            continue
-        if text.startswith("/*", i):
-            depth, i = 1, i + 2
-            while i < n and depth:
-                if text.startswith("/*", i):
-                    depth, i = depth + 1, i + 2
-                elif text.startswith("*/", i):
-                    depth, i = depth - 1, i + 2
-                else:
-                    i += 1
-            current.append(" ")
-            continue
-        if char in "'\"":
-            escapes = (
-                char == "'" and i > 0 and text[i - 1] in "eE" and not _word_before(text, i - 1)
-            )
-            end = _quote_end(text, i, char, escapes)
-            current.append(text[i:end])
-            i = end
-            continue
-        if char == "$" and not _word_before(text, i):
-            tag = _DOLLAR_QUOTE.match(text, i)
-            if tag is not None:
-                close = text.find(tag.group(), tag.end())
-                end = n if close < 0 else close + len(tag.group())
-                current.append(text[i:end])
-                i = end
-                continue
-        if char == "(":
-            parens += 1
-        elif char == ")":
-            parens = max(parens - 1, 0)
-        if char == ";" and not parens and not blocks:
-            statements.append("".join(current))
-            current = []
-            words = 0
-        else:
-            current.append(char)
-        i += 1
-    statements.append("".join(current))
-    return [s.strip() for s in statements if s.strip()]
-
-
-def _word_before(text: str, i: int) -> bool:
-    """Whether the character before `i` continues an identifier or a number."""
-    return i > 0 and (text[i - 1].isalnum() or text[i - 1] in "_$")
-
-
-def _quote_end(text: str, start: int, quote: str, escapes: bool) -> int:
-    """The index just past the string or identifier quoted at `start`."""
-    i = start + 1
-    while i < len(text):
-        if escapes and text[i] == "\\":
-            i += 2
-            continue
-        if text[i] == quote:
-            if text.startswith(quote * 2, i):
-                i += 2
-                continue
-            return i + 1
-        i += 1
-    return len(text)

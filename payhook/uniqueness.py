@@ -46,6 +46,14 @@ from payhook.db import Row, connect, execute, fetch_all, fetch_one
 from payhook.errors import MigrationError, PayhookError
 from payhook.queries import load_queries, query, sql_root
 from payhook.settings import Settings
+from payhook.sqltext import (
+    IDENTIFIER,
+    QUALIFIED,
+    identifier,
+    name_parts,
+    qualified,
+    split_statements,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -70,23 +78,34 @@ CREATED_BY_MIGRATION = "created by the migration: the build is the check"
 NAMED_IGNORE = "--ignore="
 
 _CREATE_UNIQUE = re.compile(r"\bCREATE\s+UNIQUE\s+INDEX\b", re.IGNORECASE)
+#: An index name, absent only when the name is (PostgreSQL then makes one up).
+_INDEX_NAME_PART = (
+    r"CREATE\s+UNIQUE\s+INDEX\s+(?:CONCURRENTLY\s+)?(?:IF\s+NOT\s+EXISTS\s+)?"
+    rf"(?:(?!ON\b)(?P<name>{IDENTIFIER})\s+)?ON\s+(?:ONLY\s+)?(?P<table>{QUALIFIED})"
+)
 _UNIQUE_INDEX = re.compile(
-    r"^\s*CREATE\s+UNIQUE\s+INDEX\s+(?:CONCURRENTLY\s+)?(?:IF\s+NOT\s+EXISTS\s+)?(?P<name>\w+)"
-    r"\s+ON\s+(?:ONLY\s+)?(?P<table>\w+(?:\.\w+)?)\s*(?:USING\s+btree\s*)?"
+    rf"^\s*{_INDEX_NAME_PART}\s*(?:USING\s+btree\s*)?"
     r"\((?P<columns>[^()]*)\)(?P<rest>[^;]*)$",
     re.IGNORECASE | re.DOTALL,
 )
-_ADD_UNIQUE = re.compile(
-    r"\bALTER\s+TABLE\s+(?:IF\s+EXISTS\s+)?(?:ONLY\s+)?(?P<table>\w+(?:\.\w+)?)\s+"
-    r"ADD\s+CONSTRAINT\s+(?P<name>\w+)\s+UNIQUE\s*(?P<nulls>NULLS\s+NOT\s+DISTINCT\s*)?"
-    r"\((?P<columns>[^()]*)\)",
+_INDEX_NAME = re.compile(rf"\b{_INDEX_NAME_PART}", re.IGNORECASE)
+#: An ALTER TABLE, inside a DO block too, up to the end of its actions.
+_ALTER_TABLE = re.compile(
+    rf"\bALTER\s+TABLE\s+(?:IF\s+EXISTS\s+)?(?:ONLY\s+)?(?P<table>{QUALIFIED})(?P<actions>[^;]*)",
     re.IGNORECASE,
 )
-_INDEX_NAME = re.compile(
-    r"\bCREATE\s+UNIQUE\s+INDEX\s+(?:CONCURRENTLY\s+)?(?:IF\s+NOT\s+EXISTS\s+)?(?P<name>\w+)",
+#: One action of an ALTER TABLE that adds a unique or primary key constraint.
+_ADD_KEY = re.compile(
+    rf"\bADD\s+(?:CONSTRAINT\s+(?P<name>{IDENTIFIER})\s+)?(?P<kind>UNIQUE|PRIMARY\s+KEY)\s*"
+    r"(?P<nulls>NULLS\s+(?:NOT\s+)?DISTINCT\s*)?"
+    r"(?:(?P<using>USING\s+INDEX)\b|\((?P<columns>[^()]*)\))?",
     re.IGNORECASE,
 )
-_COLUMN = re.compile(r"^(\w+)(?:\s+(?:ASC|DESC))?$", re.IGNORECASE)
+#: Wherever an ALTER TABLE says it: a rule of some form, read or not.
+_KEY_WORD = re.compile(r"\b(?:UNIQUE|PRIMARY\s+KEY)\b", re.IGNORECASE)
+_COLUMN = re.compile(
+    rf"^({IDENTIFIER})(?:\s+(?:ASC|DESC))?(?:\s+NULLS\s+(?:FIRST|LAST))?$", re.IGNORECASE
+)
 _WHERE = re.compile(r"\bWHERE\b(?P<predicate>.*)$", re.IGNORECASE | re.DOTALL)
 
 
@@ -190,9 +209,15 @@ def rules_in(text: str, *, strict: bool = True) -> list[UniqueRule]:
 
 
 def all_rules_in(text: str) -> list[UniqueRule | UncheckableRule]:
-    """The unique rules a migration's SQL adds, in order, those that cannot be checked too."""
-    from payhook.migrations import split_statements
+    """The unique rules a migration's SQL adds, in order, those that cannot be checked too.
 
+    Read: CREATE UNIQUE INDEX on plain columns (with a WHERE or NULLS NOT
+    DISTINCT), and ALTER TABLE ... ADD [CONSTRAINT name] UNIQUE | PRIMARY KEY
+    (columns), each action of the statement. A rule without a name gets the
+    one PostgreSQL gives it. Any other form of rule an ALTER TABLE adds (a
+    column's UNIQUE, say) is listed as one that cannot be checked, never
+    passed over in silence.
+    """
     rules: list[UniqueRule | UncheckableRule] = []
     for statement in split_statements(text):
         if _CREATE_UNIQUE.search(statement):
@@ -200,17 +225,56 @@ def all_rules_in(text: str) -> list[UniqueRule | UncheckableRule]:
                 rules.append(_index_rule(statement))
             except RuleError as exc:
                 named = _INDEX_NAME.search(statement)
-                name = named["name"] if named else " ".join(statement.split())
-                rules.append(UncheckableRule(name, str(exc)))
-        for match in _ADD_UNIQUE.finditer(statement):
-            rules.append(
-                UniqueRule(
-                    name=match["name"],
-                    table=match["table"],
-                    columns=_columns(match["columns"], statement),
-                    nulls_distinct=match["nulls"] is None,
+                name = (
+                    identifier(named["name"])
+                    if named and named["name"]
+                    else " ".join(statement.split())
                 )
+                rules.append(UncheckableRule(name, str(exc)))
+        for alter in _ALTER_TABLE.finditer(statement):
+            rules += _table_rules(alter, statement)
+    return rules
+
+
+def _table_rules(alter: re.Match[str], statement: str) -> list[UniqueRule | UncheckableRule]:
+    table = qualified(alter["table"])
+    rules: list[UniqueRule | UncheckableRule] = []
+    adds = list(_ADD_KEY.finditer(alter["actions"]))
+    for add in adds:
+        if add["using"]:
+            continue  # an index built before: its build was the check
+        columns_text = add["columns"]
+        pkey = add["kind"].upper().startswith("PRIMARY")
+        try:
+            if columns_text is None:
+                raise RuleError(
+                    f"cannot read the columns of the rule in: {' '.join(statement.split())} "
+                    "(the build is the check)"
+                )
+            columns = _columns(columns_text, statement)
+        except RuleError as exc:
+            rules.append(UncheckableRule(identifier(add["name"] or table), str(exc)))
+            continue
+        relation = name_parts(table)[-1]
+        default = f"{relation}_pkey" if pkey else f"{relation}_{'_'.join(columns)}_key"
+        nulls = add["nulls"] or ""
+        rules.append(
+            UniqueRule(
+                name=identifier(add["name"]) if add["name"] else default,
+                table=table,
+                columns=columns,
+                nulls_distinct=re.search(r"\bNOT\b", nulls, re.IGNORECASE) is None,
             )
+        )
+    if len(_KEY_WORD.findall(alter["actions"])) > len(adds):
+        rules.append(
+            UncheckableRule(
+                table,
+                f"cannot read every unique rule of: {' '.join(statement.split())} (only "
+                "ADD [CONSTRAINT name] UNIQUE | PRIMARY KEY (columns) can be checked; "
+                "the build is the check)",
+            )
+        )
     return rules
 
 
@@ -223,10 +287,14 @@ def _index_rule(statement: str) -> UniqueRule:
         )
     rest = match["rest"]
     where = _WHERE.search(rest)
+    table = qualified(match["table"])
+    columns = _columns(match["columns"], statement)
     return UniqueRule(
-        name=match["name"],
-        table=match["table"],
-        columns=_columns(match["columns"], statement),
+        name=identifier(match["name"])
+        if match["name"]
+        else f"{name_parts(table)[-1]}_{'_'.join(columns)}_idx",
+        table=table,
+        columns=columns,
         predicate=where["predicate"].strip() if where else None,
         nulls_distinct=re.search(r"\bNULLS\s+NOT\s+DISTINCT\b", rest, re.IGNORECASE) is None,
     )
@@ -241,7 +309,7 @@ def _columns(text: str, statement: str) -> tuple[str, ...]:
                 f"only plain column lists can be checked, not {part.strip()!r} in: "
                 f"{' '.join(statement.split())}"
             )
-        columns.append(match.group(1))
+        columns.append(identifier(match.group(1)))
     return tuple(columns)
 
 
@@ -273,7 +341,7 @@ def _shape(conn: psycopg.Connection[Row], rule: UniqueRule) -> _Shape:
     missing = [c for c in rule.columns if c not in columns]
     if missing:
         raise NotYetThere(f"{rule.name}: {rule.table} has no column {', '.join(missing)}")
-    local = rule.table.rsplit(".", 1)[-1] in LOCAL_TABLES
+    local = name_parts(rule.table)[-1] in LOCAL_TABLES
     if "tenant_id" in columns and not local and rule.columns[0] != "tenant_id":
         raise RuleError(
             f"{rule.name}: every unique rule of a tenant table begins with tenant_id, "
@@ -331,7 +399,7 @@ def _parts(rule: UniqueRule, shape: _Shape) -> dict[str, sql.Composable]:
         # The predicate is SQL from a migration file: code, not input.
         conditions.append(sql.SQL("({})").format(sql.SQL(rule.predicate)))
     return {
-        "table": sql.Identifier(*rule.table.split(".")),
+        "table": sql.Identifier(*name_parts(rule.table)),
         "columns": sql.SQL(", ").join(map(sql.Identifier, rule.columns)),
         "tenant": sql.SQL("coalesce(tenant_id, {}::uuid)").format(sql.Literal(NO_TENANT))
         if shape.by_tenant
@@ -618,10 +686,10 @@ def _chosen_rules(
     if args.table:
         if not args.columns or not args.rule:
             raise RuleError("--table needs --columns and --rule (the index name)")
-        columns = tuple(c.strip() for c in args.columns.split(",") if c.strip())
+        columns = tuple(identifier(c) for c in args.columns.split(",") if c.strip())
         if not columns:
             raise RuleError("--columns: name at least one column, comma-separated")
-        return [UniqueRule(args.rule, args.table, columns)]
+        return [UniqueRule(args.rule, qualified(args.table), columns)]
     rules = [r for m in pending_migrations(settings) for r in all_rules_in(m.path.read_text())]
     chosen = [r for r in rules if args.rule in (None, r.name)]
     if args.rule is not None and not chosen:

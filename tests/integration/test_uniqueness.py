@@ -175,6 +175,24 @@ def test_a_rule_of_a_tenant_table_must_begin_with_tenant_id(
         check_rule(conn, rule)
 
 
+@pytest.mark.parametrize(
+    "statement",
+    [
+        "ALTER TABLE payhook.payment_exceptions ADD UNIQUE (event_id, kind)",
+        'CREATE UNIQUE INDEX "By_Event" ON PayHook.Payment_Exceptions (Event_Id, Kind)',
+    ],
+)
+def test_migrate_refuses_a_rule_of_a_tenant_table_not_beginning_with_tenant_id(
+    conn: psycopg.Connection[Row], settings: Settings, tmp_path: Path, statement: str
+) -> None:
+    """Written without a name, or with quoted and upper-case names: read all the same."""
+    folder = folder_with(tmp_path, "by_event", statement + ";\n")
+    before = recorded(conn)
+    with pytest.raises(MigrationError, match="begins with tenant_id"):
+        apply_migrations(settings, folder)
+    assert recorded(conn) == before
+
+
 def test_migration_waits_for_classification_and_resolution_then_builds_the_rule(
     conn: psycopg.Connection[Row], settings: Settings, tmp_path: Path
 ) -> None:
@@ -300,14 +318,18 @@ def test_an_index_left_invalid_by_a_failed_build_is_dropped_and_built_again(
     assert index_state(conn) == {"valid": True, "constrained": True}
 
 
+@pytest.mark.parametrize("written", [RULE, RULE.upper()], ids=["as stored", "upper case"])
 def test_a_build_that_fails_leaves_no_invalid_index_behind(
     conn: psycopg.Connection[Row],
     settings: Settings,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
+    written: str,
 ) -> None:
-    """Duplicates written between the pre-check and the build: the build fails cleanly."""
-    folder = folder_with(tmp_path, "exceptions_event_kind_key", RULE_MIGRATION)
+    """Duplicates written between the pre-check and the build: the build fails
+    cleanly, whichever case the migration writes the index's name in."""
+    migration = RULE_MIGRATION.replace(f"IF NOT EXISTS {RULE}", f"IF NOT EXISTS {written}")
+    folder = folder_with(tmp_path, "exceptions_event_kind_key", migration)
     add_exception(conn, "evt_1")
     add_exception(conn, "evt_1")
     monkeypatch.setattr(migrations, "require_no_conflicts", lambda conn, rule: None)

@@ -1,9 +1,9 @@
-"""How a no-transaction migration is cut into statements, and its unique rules read."""
+"""How a no-transaction migration is cut into statements, and its names and unique rules read."""
 
 from __future__ import annotations
 
-from payhook.migrations import split_statements
-from payhook.uniqueness import UniqueRule, rules_in
+from payhook.sqltext import identifier, qualified, split_statements
+from payhook.uniqueness import UncheckableRule, UniqueRule, all_rules_in, rules_in
 
 
 def test_a_comment_after_the_semicolon_does_not_glue_the_next_statement_on() -> None:
@@ -87,3 +87,45 @@ def test_a_transaction_begin_and_words_that_contain_begin_or_end_still_split() -
         "COMMIT",
         "SELECT E'\\'; end'",
     ]
+
+
+def test_identifiers_fold_to_lower_case_unless_quoted() -> None:
+    assert identifier("Tenant_Id") == "tenant_id"
+    assert identifier('"Tenant_Id"') == "Tenant_Id"
+    assert identifier('"say ""hi"""') == 'say "hi"'
+    assert qualified('PayHook."Orders"') == 'payhook."Orders"'
+    assert qualified('"payhook" . "orders"') == "payhook.orders"
+
+
+def test_rules_name_the_columns_and_table_as_postgresql_reads_them() -> None:
+    """An upper-case column would otherwise not be found, and the rule be
+    skipped as one on a column the migration creates."""
+    text = """
+    CREATE UNIQUE INDEX CONCURRENTLY "Ex_Key" ON PayHook."Ex" (Tenant_Id, "Ref" DESC NULLS LAST);
+    CREATE UNIQUE INDEX ON payhook.t (tenant_id, x);
+    """
+    assert rules_in(text) == [
+        UniqueRule("Ex_Key", 'payhook."Ex"', ("tenant_id", "Ref")),
+        UniqueRule("t_tenant_id_x_idx", "payhook.t", ("tenant_id", "x")),
+    ]
+
+
+def test_every_unique_rule_an_alter_table_adds_is_read_or_listed_as_unchecked() -> None:
+    text = """
+    ALTER TABLE payhook.u DROP CONSTRAINT IF EXISTS one, ADD CONSTRAINT one UNIQUE (tenant_id, a);
+    ALTER TABLE ONLY payhook.u ADD UNIQUE NULLS NOT DISTINCT (tenant_id, b),
+        ADD PRIMARY KEY (tenant_id, id);
+    ALTER TABLE payhook.u ADD CONSTRAINT two UNIQUE USING INDEX two;
+    ALTER TABLE payhook.u ADD COLUMN c text UNIQUE;
+    ALTER TABLE payhook.u ADD CONSTRAINT three UNIQUE (tenant_id, lower(d));
+    """
+    rules = all_rules_in(text)
+    assert rules[:3] == [
+        UniqueRule("one", "payhook.u", ("tenant_id", "a")),
+        UniqueRule("u_tenant_id_b_key", "payhook.u", ("tenant_id", "b"), nulls_distinct=False),
+        UniqueRule("u_pkey", "payhook.u", ("tenant_id", "id")),
+    ]
+    unchecked = rules[3:]
+    assert [type(r) for r in unchecked] == [UncheckableRule, UncheckableRule]
+    assert "ADD COLUMN c text UNIQUE" in unchecked[0].reason
+    assert unchecked[1].name == "three"

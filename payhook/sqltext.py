@@ -1,0 +1,140 @@
+"""Reading migration SQL: its statements, and the names they give.
+
+payhook parses only what its migration runner and `payhook uniqueness` need:
+where one statement ends and the next begins, and the identifiers of an index
+or a table, which PostgreSQL folds to lower case unless they are quoted.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import LiteralString
+
+#: An identifier as SQL writes it: unquoted, or in double quotes ("" for one).
+IDENTIFIER = r'(?:"(?:[^"]|"")+"|[^\W\d][\w$]*)'
+#: A table or index name, perhaps schema-qualified.
+QUALIFIED = rf"{IDENTIFIER}(?:\s*\.\s*{IDENTIFIER})?"
+
+#: A word of SQL outside quotes: a keyword or an unquoted identifier.
+_WORD = re.compile(r"\w[\w$]*")
+#: The start of a dollar-quoted string: `$$` or `$tag$`.
+_DOLLAR_QUOTE = re.compile(r"\$(?:[A-Za-z_][A-Za-z0-9_]*)?\$")
+_PART = re.compile(IDENTIFIER)
+#: A name PostgreSQL reads the same without quotes.
+_PLAIN = re.compile(r"^[a-z_][a-z0-9_$]*$")
+
+
+def identifier(text: str) -> str:
+    """The name an identifier written in SQL stands for: `Foo` is `foo`, `"Foo"` is `Foo`."""
+    text = text.strip()
+    if text.startswith('"'):
+        return text[1:-1].replace('""', '"')
+    return text.lower()
+
+
+def name_parts(text: str) -> tuple[str, ...]:
+    """The names of a possibly qualified name written in SQL: `s."T"` is ("s", "T")."""
+    return tuple(identifier(m.group()) for m in _PART.finditer(text))
+
+
+def qualified(text: str) -> str:
+    """A possibly qualified name written in SQL, written the one way PostgreSQL
+    reads back as the same object (`to_regclass`): quoted only where needed."""
+    return ".".join(
+        part if _PLAIN.match(part) else '"' + part.replace('"', '""') + '"'
+        for part in name_parts(text)
+    )
+
+
+def split_statements(text: str) -> list[LiteralString]:
+    """The SQL statements of a migration, without comments or their final `;`.
+
+    Splits, as psql does, on `;` outside quoted strings (`'...'`, `E'...'`),
+    quoted identifiers, dollar-quoted bodies, comments (`--`, nested `/* */`),
+    parentheses (`CREATE RULE ... DO ALSO (a; b)`) and `BEGIN ... END` blocks
+    (a `BEGIN ATOMIC` function body, with its `CASE ... END`s): a `BEGIN` or
+    `CASE` that is not the statement's first word opens a block, `END` closes
+    one. Comments are left out of the statements.
+    """
+    statements: list[str] = []
+    current: list[str] = []
+    parens = blocks = words = 0
+    i, n = 0, len(text)
+    while i < n:
+        char = text[i]
+        word = _WORD.match(text, i) if char.isalpha() or char == "_" else None
+        if word is not None and not _word_before(text, i):
+            words += 1
+            keyword = word.group().lower()
+            if keyword in ("begin", "case") and words > 1:
+                blocks += 1
+            elif keyword == "end" and blocks:
+                blocks -= 1
+            current.append(word.group())
+            i = word.end()
+            continue
+        if text.startswith("--", i):
+            end = text.find("\n", i)
+            i = n if end < 0 else end
+            continue
+        if text.startswith("/*", i):
+            depth, i = 1, i + 2
+            while i < n and depth:
+                if text.startswith("/*", i):
+                    depth, i = depth + 1, i + 2
+                elif text.startswith("*/", i):
+                    depth, i = depth - 1, i + 2
+                else:
+                    i += 1
+            current.append(" ")
+            continue
+        if char in "'\"":
+            escapes = (
+                char == "'" and i > 0 and text[i - 1] in "eE" and not _word_before(text, i - 1)
+            )
+            end = _quote_end(text, i, char, escapes)
+            current.append(text[i:end])
+            i = end
+            continue
+        if char == "$" and not _word_before(text, i):
+            tag = _DOLLAR_QUOTE.match(text, i)
+            if tag is not None:
+                close = text.find(tag.group(), tag.end())
+                end = n if close < 0 else close + len(tag.group())
+                current.append(text[i:end])
+                i = end
+                continue
+        if char == "(":
+            parens += 1
+        elif char == ")":
+            parens = max(parens - 1, 0)
+        if char == ";" and not parens and not blocks:
+            statements.append("".join(current))
+            current = []
+            words = 0
+        else:
+            current.append(char)
+        i += 1
+    statements.append("".join(current))
+    return [s.strip() for s in statements if s.strip()]
+
+
+def _word_before(text: str, i: int) -> bool:
+    """Whether the character before `i` continues an identifier or a number."""
+    return i > 0 and (text[i - 1].isalnum() or text[i - 1] in "_$")
+
+
+def _quote_end(text: str, start: int, quote: str, escapes: bool) -> int:
+    """The index just past the string or identifier quoted at `start`."""
+    i = start + 1
+    while i < len(text):
+        if escapes and text[i] == "\\":
+            i += 2
+            continue
+        if text[i] == quote:
+            if text.startswith(quote * 2, i):
+                i += 2
+                continue
+            return i + 1
+        i += 1
+    return len(text)
