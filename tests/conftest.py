@@ -16,7 +16,8 @@ import pytest
 from psycopg import sql
 from redis import Redis
 
-from payhook.db import Row, connect
+from consumer.handler import Runtime
+from payhook.db import Row, connect, create_pool
 from payhook.migrations import apply_migrations
 from payhook.settings import Settings
 from tests.factories import Factory
@@ -99,3 +100,12 @@ def conn(settings: Settings) -> Iterator[psycopg.Connection[Row]]:
 @pytest.fixture
 def factory(conn: psycopg.Connection[Row]) -> Factory:
     return Factory(conn)
+
+
+@pytest.fixture
+def runtime(settings: Settings, redis_conn: Redis) -> Iterator[Runtime]:
+    """What a consumer's jobs run with, over the test's database and Redis."""
+    pool = create_pool(settings, "test", size=6)
+    pool.open(wait=True)
+    yield Runtime(settings=settings, pool=pool, redis=redis_conn)
+    pool.close()

@@ -10,32 +10,21 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import psycopg
 import pytest
-from redis import Redis
 
 from consumer.handler import Runtime, handle
 from consumer.replay import NotReplayable, replay_exception
 from consumer.transaction import Endpoint, apply_event
-from payhook.db import Row, create_pool
+from payhook.db import Row
 from payhook.gateways import Event
 from payhook.horizon import DAY
-from payhook.settings import Settings
 from tests.factories import Factory, Shop, StandardEvent, envelope, stripe_body, stripe_headers
 
 #: Long enough ago that the horizon would refuse it, had it a timestamp to judge.
 OLD = int(time.time() - 500 * DAY)
-
-
-@pytest.fixture
-def runtime(settings: Settings, redis_conn: Redis) -> Iterator[Runtime]:
-    pool = create_pool(settings, "test", size=2)
-    pool.open(wait=True)
-    yield Runtime(settings=settings, pool=pool, redis=redis_conn)
-    pool.close()
 
 
 def standard_job(shop: Shop, event: StandardEvent, timestamp: object) -> dict[str, Any]:

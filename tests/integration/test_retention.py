@@ -6,16 +6,14 @@ import json
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
 import psycopg
 import pytest
-from redis import Redis
 
 from consumer.handler import Runtime, handle
-from payhook.db import Row, connect, create_pool
+from payhook.db import Row, connect
 from payhook.errors import SettingsError
 from payhook.operations import format_trace, trace_event
 from payhook.queries import query
@@ -26,14 +24,6 @@ from tests.factories import Factory, Shop, StandardEvent, envelope, stripe_body,
 from tests.processes import run_cli
 
 DAY = 86400
-
-
-@pytest.fixture
-def runtime(settings: Settings, redis_conn: Redis) -> Iterator[Runtime]:
-    pool = create_pool(settings, "test", size=6)
-    pool.open(wait=True)
-    yield Runtime(settings=settings, pool=pool, redis=redis_conn)
-    pool.close()
 
 
 def deliver(runtime: Runtime, factory: Factory, shop: Shop, event: StandardEvent) -> str:

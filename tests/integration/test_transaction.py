@@ -7,12 +7,10 @@ import dataclasses
 import json
 import threading
 from collections import Counter
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 
 import psycopg
 import pytest
-from redis import Redis
 
 from consumer.handler import CLOCK_SKEW, Runtime, handle
 from consumer.rules import Decision, Order
@@ -24,14 +22,6 @@ from payhook.gateways import get_gateway
 from payhook.settings import Settings
 from tests.factories import Factory, StandardEvent, envelope, stripe_body, stripe_headers
 from tests.locks import released_after
-
-
-@pytest.fixture
-def runtime(settings: Settings, redis_conn: Redis) -> Iterator[Runtime]:
-    pool = create_pool(settings, "test", size=4)
-    pool.open(wait=True)
-    yield Runtime(settings=settings, pool=pool, redis=redis_conn)
-    pool.close()
 
 
 def apply(runtime: Runtime, factory: Factory, shop, event: StandardEvent) -> str:
