@@ -253,7 +253,8 @@ def _table_rules(alter: re.Match[str], statement: str) -> list[UniqueRule | Unch
                 )
             columns = _columns(columns_text, statement)
         except RuleError as exc:
-            rules.append(UncheckableRule(identifier(add["name"] or table), str(exc)))
+            name = identifier(add["name"]) if add["name"] else table
+            rules.append(UncheckableRule(name, str(exc)))
             continue
         relation = name_parts(table)[-1]
         default = f"{relation}_pkey" if pkey else f"{relation}_{'_'.join(columns)}_key"

@@ -118,6 +118,7 @@ def test_every_unique_rule_an_alter_table_adds_is_read_or_listed_as_unchecked() 
     ALTER TABLE payhook.u ADD CONSTRAINT two UNIQUE USING INDEX two;
     ALTER TABLE payhook.u ADD COLUMN c text UNIQUE;
     ALTER TABLE payhook.u ADD CONSTRAINT three UNIQUE (tenant_id, lower(d));
+    ALTER TABLE payhook."U" ADD UNIQUE (tenant_id, lower(d));
     """
     rules = all_rules_in(text)
     assert rules[:3] == [
@@ -126,6 +127,6 @@ def test_every_unique_rule_an_alter_table_adds_is_read_or_listed_as_unchecked() 
         UniqueRule("u_pkey", "payhook.u", ("tenant_id", "id")),
     ]
     unchecked = rules[3:]
-    assert [type(r) for r in unchecked] == [UncheckableRule, UncheckableRule]
+    assert [type(r) for r in unchecked] == [UncheckableRule] * 3
     assert "ADD COLUMN c text UNIQUE" in unchecked[0].reason
-    assert unchecked[1].name == "three"
+    assert [r.name for r in unchecked[1:]] == ["three", 'payhook."U"']
