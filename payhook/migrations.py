@@ -81,6 +81,9 @@ _CONCURRENTLY = re.compile(
     r"\s+CONCURRENTLY\b",
     re.IGNORECASE,
 )
+_CREATE_CONCURRENTLY = re.compile(
+    r"^\s*CREATE\s+(?:UNIQUE\s+)?INDEX\s+CONCURRENTLY\b", re.IGNORECASE
+)
 _CONCURRENT_INDEX = re.compile(
     r"^\s*CREATE\s+(?:UNIQUE\s+)?INDEX\s+CONCURRENTLY\s+(?:IF\s+NOT\s+EXISTS\s+)?"
     rf"(?!ON\b)({IDENTIFIER})\s+ON\s+(?:ONLY\s+)?({QUALIFIED})",
@@ -241,7 +244,9 @@ def _apply_one(conn: psycopg.Connection[Row], migration: Migration, attempts: in
         if migration.transactional:
             _retry_lock_timeouts(whole_file, attempts, migration)
         else:
-            for statement in split_statements(text):
+            statements = split_statements(text)
+            _require_index_names(statements, migration)
+            for statement in statements:
                 run = partial(_execute, conn, statement, attempts)
                 _retry_lock_timeouts(run, attempts, migration)
             conn.execute(record, params)
@@ -254,6 +259,21 @@ def _apply_one(conn: psycopg.Connection[Row], migration: Migration, attempts: in
         ) from exc
     except psycopg.Error as exc:
         raise MigrationError(f"{migration.path.name}: {exc}") from exc
+
+
+def _require_index_names(statements: list[LiteralString], migration: Migration) -> None:
+    """Refuse a concurrent build that does not name its index, before any statement runs.
+
+    A failed build leaves an invalid index behind, and only its name finds
+    it to drop it; PostgreSQL would give the next attempt another name.
+    """
+    for statement in statements:
+        if _CREATE_CONCURRENTLY.match(statement) and not _CONCURRENT_INDEX.match(statement):
+            raise MigrationError(
+                f"{migration.path.name}: a concurrent index build must name its index "
+                "(CREATE INDEX CONCURRENTLY IF NOT EXISTS name ON ...): an invalid index "
+                f"a failed build leaves is found by name: {' '.join(statement.split())}"
+            )
 
 
 def _retry_lock_timeouts(action: Callable[[], None], attempts: int, migration: Migration) -> None:

@@ -24,12 +24,78 @@ _PART = re.compile(IDENTIFIER)
 _PLAIN = re.compile(r"^[a-z_][a-z0-9_$]*$")
 
 
+#: What PostgreSQL makes of an unquoted identifier: ASCII letters folded, others kept.
+_FOLD = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
+#: Bytes of a name PostgreSQL keeps (NAMEDATALEN - 1).
+MAX_NAME_BYTES = 63
+
+
 def identifier(text: str) -> str:
     """The name an identifier written in SQL stands for: `Foo` is `foo`, `"Foo"` is `Foo`."""
     text = text.strip()
     if text.startswith('"'):
         return text[1:-1].replace('""', '"')
-    return text.lower()
+    return text.translate(_FOLD)
+
+
+def default_name(relation: str, columns: tuple[str, ...], label: str) -> str:
+    """The name PostgreSQL gives an index or constraint created without one
+    (`label`: idx, key, pkey), if that name is free (else it adds a number):
+    the table's name, the columns' (none for a primary key) and the label,
+    joined with `_`, the longer part cut first to fit 63 bytes."""
+    parts = [relation, "_".join(columns)] if columns else [relation]
+    room = MAX_NAME_BYTES - len(label.encode()) - len(parts)
+    sizes = [len(p.encode()) for p in parts]
+    while sum(sizes) > room:  # as PostgreSQL's makeObjectName: a tie cuts the columns
+        sizes[0 if sizes[0] > sizes[-1] else -1] -= 1
+    cut = [p.encode()[:n].decode(errors="ignore") for p, n in zip(parts, sizes, strict=True)]
+    return "_".join([*cut, label])
+
+
+def code_only(statement: str) -> str:
+    """A statement with what is not code taken out, bodies of `DO` blocks and
+    functions read as code: comments removed, string literals emptied (`''`),
+    dollar quotes dropped. What is left may be searched for statements a
+    migration runs, never for one it only mentions."""
+    out: list[str] = []
+    i, n = 0, len(statement)
+    while i < n:
+        char = statement[i]
+        if statement.startswith("--", i):
+            end = statement.find("\n", i)
+            i = n if end < 0 else end
+            continue
+        if statement.startswith("/*", i):
+            depth, i = 1, i + 2
+            while i < n and depth:
+                if statement.startswith("/*", i):
+                    depth, i = depth + 1, i + 2
+                elif statement.startswith("*/", i):
+                    depth, i = depth - 1, i + 2
+                else:
+                    i += 1
+            out.append(" ")
+            continue
+        if char in "'\"":
+            escapes = (
+                char == "'"
+                and i > 0
+                and statement[i - 1] in "eE"
+                and not _word_before(statement, i - 1)
+            )
+            end = _quote_end(statement, i, char, escapes)
+            out.append("''" if char == "'" else statement[i:end])
+            i = end
+            continue
+        if char == "$" and not _word_before(statement, i):
+            tag = _DOLLAR_QUOTE.match(statement, i)
+            if tag is not None:
+                out.append(" ")
+                i = tag.end()
+                continue
+        out.append(char)
+        i += 1
+    return "".join(out)
 
 
 def name_parts(text: str) -> tuple[str, ...]:

@@ -49,6 +49,8 @@ from payhook.settings import Settings
 from payhook.sqltext import (
     IDENTIFIER,
     QUALIFIED,
+    code_only,
+    default_name,
     identifier,
     name_parts,
     qualified,
@@ -101,8 +103,9 @@ _ADD_KEY = re.compile(
     r"(?:(?P<using>USING\s+INDEX)\b|\((?P<columns>[^()]*)\))?",
     re.IGNORECASE,
 )
-#: Wherever an ALTER TABLE says it: a rule of some form, read or not.
+#: Wherever an ALTER TABLE says it (out of quoted names): a rule of some form, read or not.
 _KEY_WORD = re.compile(r"\b(?:UNIQUE|PRIMARY\s+KEY)\b", re.IGNORECASE)
+_QUOTED_NAME = re.compile(r'"(?:[^"]|"")*"')
 _COLUMN = re.compile(
     rf"^({IDENTIFIER})(?:\s+(?:ASC|DESC))?(?:\s+NULLS\s+(?:FIRST|LAST))?$", re.IGNORECASE
 )
@@ -220,7 +223,9 @@ def all_rules_in(text: str) -> list[UniqueRule | UncheckableRule]:
     """
     rules: list[UniqueRule | UncheckableRule] = []
     for statement in split_statements(text):
-        if _CREATE_UNIQUE.search(statement):
+        # Comments and strings out: a rule a DO block only mentions is none.
+        code = code_only(statement)
+        if _CREATE_UNIQUE.search(code):
             try:
                 rules.append(_index_rule(statement))
             except RuleError as exc:
@@ -231,7 +236,7 @@ def all_rules_in(text: str) -> list[UniqueRule | UncheckableRule]:
                     else " ".join(statement.split())
                 )
                 rules.append(UncheckableRule(name, str(exc)))
-        for alter in _ALTER_TABLE.finditer(statement):
+        for alter in _ALTER_TABLE.finditer(code):
             rules += _table_rules(alter, statement)
     return rules
 
@@ -257,7 +262,9 @@ def _table_rules(alter: re.Match[str], statement: str) -> list[UniqueRule | Unch
             rules.append(UncheckableRule(name, str(exc)))
             continue
         relation = name_parts(table)[-1]
-        default = f"{relation}_pkey" if pkey else f"{relation}_{'_'.join(columns)}_key"
+        default = (
+            default_name(relation, (), "pkey") if pkey else default_name(relation, columns, "key")
+        )
         nulls = add["nulls"] or ""
         rules.append(
             UniqueRule(
@@ -267,7 +274,7 @@ def _table_rules(alter: re.Match[str], statement: str) -> list[UniqueRule | Unch
                 nulls_distinct=re.search(r"\bNOT\b", nulls, re.IGNORECASE) is None,
             )
         )
-    if len(_KEY_WORD.findall(alter["actions"])) > len(adds):
+    if len(_KEY_WORD.findall(_QUOTED_NAME.sub('""', alter["actions"]))) > len(adds):
         rules.append(
             UncheckableRule(
                 table,
@@ -293,7 +300,7 @@ def _index_rule(statement: str) -> UniqueRule:
     return UniqueRule(
         name=identifier(match["name"])
         if match["name"]
-        else f"{name_parts(table)[-1]}_{'_'.join(columns)}_idx",
+        else default_name(name_parts(table)[-1], columns, "idx"),
         table=table,
         columns=columns,
         predicate=where["predicate"].strip() if where else None,
@@ -328,7 +335,9 @@ class _Shape:
     primary_key: tuple[str, ...]
     #: The rule begins with a uuid tenant_id, which the report keeps apart.
     by_tenant: bool
-    #: Partitioned, or inherited from: its rows live in several physical tables.
+    #: Partitioned: its rows live in its partitions, several physical tables.
+    partitioned: bool = False
+    #: Inherited from: rules and their checks cover the table's own rows (ONLY).
     has_children: bool = False
     #: Each column's type as SQL (format_type).
     types: tuple[tuple[str, str], ...] = ()
@@ -359,6 +368,7 @@ def _shape(conn: psycopg.Connection[Row], rule: UniqueRule) -> _Shape:
         primary_key=tuple(r["name"] for r in keyed),
         by_tenant=rule.columns[0] == "tenant_id"
         and any(r["name"] == "tenant_id" and r["type"] == "uuid" for r in rows),
+        partitioned=rows[0]["partitioned"],
         has_children=rows[0]["has_children"],
         types=tuple((r["name"], r["type"]) for r in rows),
     )
@@ -400,7 +410,9 @@ def _parts(rule: UniqueRule, shape: _Shape) -> dict[str, sql.Composable]:
         # The predicate is SQL from a migration file: code, not input.
         conditions.append(sql.SQL("({})").format(sql.SQL(rule.predicate)))
     return {
-        "table": sql.Identifier(*name_parts(rule.table)),
+        "table": sql.SQL(
+            "ONLY {}" if shape.has_children and not shape.partitioned else "{}"
+        ).format(sql.Identifier(*name_parts(rule.table))),
         "columns": sql.SQL(", ").join(map(sql.Identifier, rule.columns)),
         "tenant": sql.SQL("coalesce(tenant_id, {}::uuid)").format(sql.Literal(NO_TENANT))
         if shape.by_tenant
@@ -512,12 +524,13 @@ def resolve_rule(
     those groups. A group whose rows no longer agree becomes `distinct`.
     """
     shape = _shape(conn, rule)
-    if shape.has_children:
+    if shape.partitioned:
         # Copies are deleted by ctid, which names a row only within one
-        # physical table: on a parent it would match rows of every child.
+        # physical table: on the parent it would match rows of every partition.
         raise RuleError(
-            f"{rule.name}: {rule.table} is partitioned or has child tables; "
-            "resolve each partition by name (--table)"
+            f"{rule.name}: {rule.table} is partitioned; check, then resolve, each "
+            f"partition by name (--rule {rule.name} --table PARTITION --columns "
+            f"{','.join(rule.columns)})"
         )
     parts = _parts(rule, shape)
     lock = _template("lock_group_rows", parts)
@@ -661,7 +674,9 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
                 continue
             try:
                 if args.action == "check":
-                    ignore = tuple(c.strip() for c in (args.ignore or "").split(",") if c.strip())
+                    ignore = tuple(
+                        identifier(c) for c in (args.ignore or "").split(",") if c.strip()
+                    )
                     summary = check_rule(conn, rule, ignore).summary()
                     remaining |= summary["groups"] > 0
                 else:
@@ -690,9 +705,10 @@ def _chosen_rules(
         columns = tuple(identifier(c) for c in args.columns.split(",") if c.strip())
         if not columns:
             raise RuleError("--columns: name at least one column, comma-separated")
-        return [UniqueRule(args.rule, qualified(args.table), columns)]
+        return [UniqueRule(identifier(args.rule), qualified(args.table), columns)]
     rules = [r for m in pending_migrations(settings) for r in all_rules_in(m.path.read_text())]
-    chosen = [r for r in rules if args.rule in (None, r.name)]
+    wanted = None if args.rule is None else identifier(args.rule)
+    chosen = [r for r in rules if wanted in (None, r.name)]
     if args.rule is not None and not chosen:
         pending = ", ".join(r.name for r in rules) or "none"
         raise RuleError(f"--rule {args.rule}: no pending migration adds it (pending: {pending})")

@@ -1,9 +1,10 @@
 -- table_columns --
 -- The columns of a table, and what each is: its type, generated (identity or
 -- serial), defaulting to a random uuid, stamped on arrival (a default of
--- now()), its place in the primary key (from 0); and whether the table is partitioned
--- or has child tables.
+-- now()), its place in the primary key (from 0); and whether the table is
+-- partitioned, or has child tables by inheritance.
 SELECT a.attname AS name, format_type(a.atttypid, a.atttypmod) AS type,
+       (SELECT relkind = 'p' FROM pg_class WHERE oid = a.attrelid) AS partitioned,
        EXISTS (SELECT 1 FROM pg_inherits WHERE inhparent = a.attrelid) AS has_children,
        a.attidentity <> ''
            OR coalesce(pg_get_expr(d.adbin, d.adrelid), '') LIKE 'nextval(%%' AS generated,

@@ -1,5 +1,6 @@
 -- Templates composed with identifiers by payhook.uniqueness (psycopg.sql):
--- {table} the qualified table, {columns} the rule's columns, {tenant} and
+-- {table} the qualified table (ONLY the table, when it has child tables by
+-- inheritance: an index on it covers its own rows alone), {columns} the rule's columns, {tenant} and
 -- {key} the tenant and the other key columns as one jsonb, {scope} the rows
 -- the rule covers (its columns not null, its WHERE), {order} the primary key,
 -- {key_row} and {stored_row} the key columns after tenant_id as one row, of
@@ -31,11 +32,14 @@ HAVING count(*) > 1
 -- live_conflicts --
 -- The groups that would make the index build fail now, with the report's
 -- classification when the report still describes them (same number of rows),
--- checked on the table or on one of its partitions or child tables.
+-- checked on the table or, partitioned, on one of its partitions.
 WITH RECURSIVE family (relid) AS (
     SELECT to_regclass(%(table_name)s)::oid
      UNION
-    SELECT i.inhrelid FROM pg_inherits AS i JOIN family AS f ON i.inhparent = f.relid
+    SELECT i.inhrelid
+      FROM pg_inherits AS i
+      JOIN family AS f ON i.inhparent = f.relid
+      JOIN pg_class AS parent ON parent.oid = f.relid AND parent.relkind = 'p'
 ), live AS (
     SELECT {tenant} AS tenant_id, {key} AS key, count(*) AS copies
       FROM {table}

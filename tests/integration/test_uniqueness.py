@@ -338,6 +338,29 @@ def test_a_build_that_fails_leaves_no_invalid_index_behind(
     assert index_state(conn) is None
 
 
+def test_a_concurrent_build_without_an_index_name_is_refused_before_anything_runs(
+    conn: psycopg.Connection[Row], settings: Settings, tmp_path: Path
+) -> None:
+    """PostgreSQL would name it, and an invalid index a failed build left could
+    not be found to drop it: the next attempt would build a second one."""
+    migration = (
+        "-- payhook: no-transaction\n"
+        "CREATE INDEX CONCURRENTLY IF NOT EXISTS exceptions_kind\n"
+        "    ON payhook.payment_exceptions (kind);\n"
+        "CREATE UNIQUE INDEX CONCURRENTLY\n"
+        "    ON payhook.payment_exceptions (tenant_id, event_id, kind);\n"
+    )
+    folder = folder_with(tmp_path, "unnamed", migration)
+    before = recorded(conn)
+    with pytest.raises(MigrationError, match="a concurrent index build must name its index"):
+        apply_migrations(settings, folder)
+    assert recorded(conn) == before
+    made = fetch_one(
+        conn, "index_state", {"table": EXCEPTIONS_RULE.table, "index": "exceptions_kind"}
+    )
+    assert made is None, "refused before its first statement ran"
+
+
 def test_blocked_ddl_gives_up_after_lock_timeout_and_writers_go_on(
     conn: psycopg.Connection[Row], settings: Settings, tmp_path: Path
 ) -> None:
@@ -471,7 +494,7 @@ def test_resolve_refuses_a_partitioned_table_whose_ctids_repeat_across_partition
     )
     rule = UniqueRule("parted_key", "public.parted", ("tenant_id", "k"))
     assert check_rule(conn, rule).summary()["groups"] == 1
-    with pytest.raises(RuleError, match="partitioned or has child tables"):
+    with pytest.raises(RuleError, match="is partitioned; check, then resolve, each partition"):
         resolve_rule(conn, rule)
     assert conn.execute("SELECT count(*) AS n FROM public.parted").fetchone() == {"n": 4}
     one = UniqueRule("parted_key", "public.parted_a", ("tenant_id", "k"))
@@ -485,52 +508,92 @@ def test_partitions_checked_and_resolved_one_by_one_keep_their_own_groups(
     conn: psycopg.Connection[Row],
 ) -> None:
     """The way `resolve` asks for a partitioned table: each partition by name,
-    under the rule's one name. The same key in two partitions is two groups;
-    checking or resolving one partition leaves the other's open; and the
-    guard on the parent reads the partitions' classifications."""
+    under the rule's one name. Checking or resolving one partition leaves the
+    other's groups open, and the guard on the parent reads the partitions'
+    classifications, the graver one where the parent's check said otherwise."""
     conn.execute(
-        "CREATE TABLE public.split (tenant_id uuid NOT NULL, k text, part int NOT NULL,"
-        " note text) PARTITION BY LIST (part)"
+        "CREATE TABLE public.split (tenant_id uuid NOT NULL, k text, note text)"
+        " PARTITION BY LIST (tenant_id)"
     )
-    for part in (1, 2):
+    a, b = str(uuid.uuid4()), str(uuid.uuid4())
+    for name, tenant in (("split_a", a), ("split_b", b)):
         conn.execute(
-            f"CREATE TABLE public.split_{part} PARTITION OF public.split FOR VALUES IN ({part})"
+            f"CREATE TABLE public.{name} PARTITION OF public.split FOR VALUES IN ('{tenant}')"
         )
-    tenant = str(uuid.uuid4())
     conn.execute(
-        "INSERT INTO public.split VALUES (%(t)s, 'x', 1, 'a'), (%(t)s, 'x', 1, 'a'),"
-        " (%(t)s, 'x', 2, 'a'), (%(t)s, 'x', 2, 'a'), (%(t)s, 'y', 2, 'a'), (%(t)s, 'y', 2, 'b')",
-        {"t": tenant},
+        "INSERT INTO public.split VALUES (%(a)s, 'x', 'n'), (%(a)s, 'x', 'n'),"
+        " (%(b)s, 'y', 'n'), (%(b)s, 'y', 'n'), (%(b)s, 'z', 'n'), (%(b)s, 'z', 'other')",
+        {"a": a, "b": b},
     )
     columns = ("tenant_id", "k")
-    first, second = (UniqueRule("split_key", f"public.split_{p}", columns) for p in (1, 2))
+    parent = UniqueRule("split_key", "public.split", columns)
+    first, second = (UniqueRule("split_key", f"public.split_{p}", columns) for p in "ab")
 
+    # Checked on the parent leaving out `note`, `z` reads as a redelivery there.
+    assert check_rule(conn, parent, ("note",)).summary()["redelivery"] == 3
+    with pytest.raises(RuleError, match="check, then resolve, each partition by name"):
+        resolve_rule(conn, parent)
     assert check_rule(conn, first).summary()["groups"] == 1
     assert check_rule(conn, second).summary()["groups"] == 2
 
     def open_groups() -> list[tuple[str, str, str]]:
         rows = conn.execute(
             "SELECT table_name, key->>'k' AS k, classification FROM payhook.uniqueness_conflicts"
-            " WHERE rule = 'split_key' AND resolved_at IS NULL ORDER BY 1, 2"
+            " WHERE rule = 'split_key' AND table_name <> 'public.split' AND resolved_at IS NULL"
+            " ORDER BY 1, 2"
         ).fetchall()
         return [(r["table_name"], r["k"], r["classification"]) for r in rows]
 
     assert open_groups() == [
-        ("public.split_1", "x", "redelivery"),
-        ("public.split_2", "x", "redelivery"),
-        ("public.split_2", "y", "distinct"),
+        ("public.split_a", "x", "redelivery"),
+        ("public.split_b", "y", "redelivery"),
+        ("public.split_b", "z", "distinct"),
     ]
     assert resolve_rule(conn, first).quarantined == 1
     assert open_groups() == [
-        ("public.split_2", "x", "redelivery"),
-        ("public.split_2", "y", "distinct"),
+        ("public.split_b", "y", "redelivery"),
+        ("public.split_b", "z", "distinct"),
     ], "the other partition's groups are still open"
     assert resolve_rule(conn, second).quarantined == 1
-    assert open_groups() == [("public.split_2", "y", "distinct")]
-    # On the parent: `y` as its partition classified it, and `x`, one row left
-    # in each partition, a group no partition's check can see.
-    parent = UniqueRule("split_key", "public.split", columns)
-    assert remaining_conflicts(conn, parent) == {"distinct": 1, "unclassified": 1}
+    assert open_groups() == [("public.split_b", "z", "distinct")]
+    assert remaining_conflicts(conn, parent) == {"distinct": 1}
+
+
+def test_a_rule_under_one_name_in_two_schemas_keeps_both_reports(
+    conn: psycopg.Connection[Row],
+) -> None:
+    """Index names are unique per schema only: the report is keyed by table too."""
+    tenant = str(uuid.uuid4())
+    conn.execute("CREATE SCHEMA side")
+    for table in ("public.dup", "side.dup"):
+        conn.execute(f"CREATE TABLE {table} (tenant_id uuid NOT NULL, k text)")
+        conn.execute(f"INSERT INTO {table} VALUES (%(t)s, 'x'), (%(t)s, 'x')", {"t": tenant})
+    for table in ("public.dup", "side.dup"):
+        assert check_rule(conn, UniqueRule("dup_key", table, ("tenant_id", "k"))).groups
+    rows = conn.execute(
+        "SELECT table_name FROM payhook.uniqueness_conflicts WHERE resolved_at IS NULL ORDER BY 1"
+    ).fetchall()
+    assert [r["table_name"] for r in rows] == ["public.dup", "side.dup"]
+
+
+def test_a_rule_on_a_table_with_child_tables_covers_its_own_rows(
+    conn: psycopg.Connection[Row],
+) -> None:
+    """An index on a parent by inheritance covers the parent's rows alone: the
+    children's copies neither block the rule nor are resolved away."""
+    tenant = str(uuid.uuid4())
+    conn.execute("CREATE TABLE public.base (tenant_id uuid NOT NULL, k text)")
+    conn.execute("CREATE TABLE public.kid () INHERITS (public.base)")
+    conn.execute("INSERT INTO public.kid VALUES (%(t)s, 'x'), (%(t)s, 'x')", {"t": tenant})
+    rule = UniqueRule("base_key", "public.base", ("tenant_id", "k"))
+    assert check_rule(conn, rule).groups == []
+    conn.execute("INSERT INTO public.base VALUES (%(t)s, 'x'), (%(t)s, 'x')", {"t": tenant})
+    assert len(check_rule(conn, rule).groups) == 1
+    assert resolve_rule(conn, rule).quarantined == 1
+    assert remaining_conflicts(conn, rule) == {}
+    kids = conn.execute("SELECT count(*) AS n FROM ONLY public.kid").fetchone()
+    assert kids == {"n": 2}, "the child's rows are its own rule's business"
+    conn.execute("CREATE UNIQUE INDEX base_key ON public.base (tenant_id, k)")
 
 
 def test_the_report_works_before_the_migration_that_keys_it_by_table(
@@ -547,3 +610,24 @@ def test_the_report_works_before_the_migration_that_keys_it_by_table(
     assert check_rule(conn, EXCEPTIONS_RULE).summary()["redelivery"] == 1, "checked again"
     assert resolve_rule(conn, EXCEPTIONS_RULE).quarantined == 1
     assert remaining_conflicts(conn, EXCEPTIONS_RULE) == {}
+
+
+def test_a_rule_without_a_name_is_read_under_the_name_postgresql_gives_it(
+    conn: psycopg.Connection[Row],
+) -> None:
+    long = "t" * 40
+    statements = [
+        "ALTER TABLE public.named ADD UNIQUE (tenant_id, k)",
+        "ALTER TABLE public.named ADD PRIMARY KEY (tenant_id, id)",
+        "CREATE UNIQUE INDEX ON public.named (tenant_id, id, k)",
+        f"ALTER TABLE public.{long} ADD UNIQUE (tenant_id, {'c' * 40})",
+    ]
+    conn.execute("CREATE TABLE public.named (tenant_id uuid NOT NULL, id int NOT NULL, k text)")
+    conn.execute(f"CREATE TABLE public.{long} (tenant_id uuid, {'c' * 40} text)")
+    for statement in statements:
+        before = {r["relname"] for r in conn.execute("SELECT relname FROM pg_class").fetchall()}
+        conn.execute(statement)
+        after = {r["relname"] for r in conn.execute("SELECT relname FROM pg_class").fetchall()}
+        (made,) = after - before
+        (rule,) = rules_in(statement + ";")
+        assert rule.name == made, statement

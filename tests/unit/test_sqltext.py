@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from payhook.sqltext import identifier, qualified, split_statements
+from payhook.sqltext import code_only, identifier, qualified, split_statements
 from payhook.uniqueness import UncheckableRule, UniqueRule, all_rules_in, rules_in
 
 
@@ -130,3 +130,29 @@ def test_every_unique_rule_an_alter_table_adds_is_read_or_listed_as_unchecked() 
     assert [type(r) for r in unchecked] == [UncheckableRule] * 3
     assert "ADD COLUMN c text UNIQUE" in unchecked[0].reason
     assert [r.name for r in unchecked[1:]] == ["three", 'payhook."U"']
+
+
+def test_a_rule_a_do_block_only_mentions_is_none() -> None:
+    """In a comment or a string of the block's body; the block's own ALTER TABLE is read."""
+    text = """DO $$
+BEGIN
+    -- Was: ALTER TABLE payhook.x ADD CONSTRAINT old_key UNIQUE (tenant_id, kind)
+    /* CREATE UNIQUE INDEX gone ON payhook.x (tenant_id, a); */
+    RAISE NOTICE 'ALTER TABLE payhook.x ADD UNIQUE (tenant_id, b)';
+    IF NOT EXISTS (SELECT 1 FROM pg_constraint WHERE conname = 'x_key') THEN
+        ALTER TABLE payhook.x ADD CONSTRAINT x_key UNIQUE (tenant_id, c);
+    END IF;
+END
+$$;
+"""
+    assert all_rules_in(text) == [UniqueRule("x_key", "payhook.x", ("tenant_id", "c"))]
+    assert "old_key" not in code_only(text) and "'ALTER" not in code_only(text)
+
+
+def test_unique_in_a_string_or_a_quoted_name_is_no_rule() -> None:
+    text = """
+    ALTER TABLE payhook.x ALTER COLUMN kind SET DEFAULT 'unique';
+    ALTER TABLE payhook.x ADD CONSTRAINT kind_check CHECK (kind <> 'primary key');
+    ALTER TABLE payhook.x RENAME CONSTRAINT a TO "unique";
+    """
+    assert all_rules_in(text) == []
