@@ -631,3 +631,24 @@ def test_a_rule_without_a_name_is_read_under_the_name_postgresql_gives_it(
         (made,) = after - before
         (rule,) = rules_in(statement + ";")
         assert rule.name == made, statement
+
+
+def test_names_given_on_the_command_line_are_read_as_identifiers(
+    conn: psycopg.Connection[Row], database: str
+) -> None:
+    """`--rule Split_Key` is the rule `migrate` reads as split_key."""
+    tenant = str(uuid.uuid4())
+    conn.execute("CREATE TABLE public.cli (tenant_id uuid NOT NULL, k text, seen timestamptz)")
+    conn.execute(
+        "INSERT INTO public.cli VALUES (%(t)s, 'x', now()), (%(t)s, 'x', now() - interval '1 h')",
+        {"t": tenant},
+    )
+    result = run_cli(
+        test_settings(database),
+        "uniqueness", "check", "--rule", "Cli_Key", "--table", "Public.Cli",
+        "--columns", "Tenant_Id, K", "--ignore", "Seen",
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr
+    assert json.loads(result.stdout)["redelivery"] == 1
+    rule = UniqueRule("cli_key", "public.cli", ("tenant_id", "k"))
+    assert remaining_conflicts(conn, rule) == {"redelivery": 1}
