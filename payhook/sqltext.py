@@ -61,29 +61,13 @@ def code_only(statement: str) -> str:
     i, n = 0, len(statement)
     while i < n:
         char = statement[i]
-        if statement.startswith("--", i):
-            end = statement.find("\n", i)
-            i = n if end < 0 else end
-            continue
-        if statement.startswith("/*", i):
-            depth, i = 1, i + 2
-            while i < n and depth:
-                if statement.startswith("/*", i):
-                    depth, i = depth + 1, i + 2
-                elif statement.startswith("*/", i):
-                    depth, i = depth - 1, i + 2
-                else:
-                    i += 1
-            out.append(" ")
+        end = _comment_end(statement, i)
+        if end is not None:
+            out.append(" " if char == "/" else "")
+            i = end
             continue
         if char in "'\"":
-            escapes = (
-                char == "'"
-                and i > 0
-                and statement[i - 1] in "eE"
-                and not _word_before(statement, i - 1)
-            )
-            end = _quote_end(statement, i, char, escapes)
+            end = _quoted_end(statement, i)
             out.append("''" if char == "'" else statement[i:end])
             i = end
             continue
@@ -139,26 +123,13 @@ def split_statements(text: str) -> list[LiteralString]:
             current.append(word.group())
             i = word.end()
             continue
-        if text.startswith("--", i):
-            end = text.find("\n", i)
-            i = n if end < 0 else end
-            continue
-        if text.startswith("/*", i):
-            depth, i = 1, i + 2
-            while i < n and depth:
-                if text.startswith("/*", i):
-                    depth, i = depth + 1, i + 2
-                elif text.startswith("*/", i):
-                    depth, i = depth - 1, i + 2
-                else:
-                    i += 1
-            current.append(" ")
+        end = _comment_end(text, i)
+        if end is not None:
+            current.append(" " if char == "/" else "")
+            i = end
             continue
         if char in "'\"":
-            escapes = (
-                char == "'" and i > 0 and text[i - 1] in "eE" and not _word_before(text, i - 1)
-            )
-            end = _quote_end(text, i, char, escapes)
+            end = _quoted_end(text, i)
             current.append(text[i:end])
             i = end
             continue
@@ -183,6 +154,34 @@ def split_statements(text: str) -> list[LiteralString]:
         i += 1
     statements.append("".join(current))
     return [s.strip() for s in statements if s.strip()]
+
+
+def _comment_end(text: str, i: int) -> int | None:
+    """Just past the comment that starts at `i` (`--` up to the end of its
+    line, or a `/* */` with those nested in it); None if none starts there."""
+    if text.startswith("--", i):
+        end = text.find("\n", i)
+        return len(text) if end < 0 else end
+    if not text.startswith("/*", i):
+        return None
+    depth, i = 1, i + 2
+    while i < len(text) and depth:
+        if text.startswith("/*", i):
+            depth, i = depth + 1, i + 2
+        elif text.startswith("*/", i):
+            depth, i = depth - 1, i + 2
+        else:
+            i += 1
+    return i
+
+
+def _quoted_end(text: str, start: int) -> int:
+    """Just past the string (`'...'`, `E'...'`) or quoted identifier starting at `start`."""
+    quote = text[start]
+    escapes = (
+        quote == "'" and start > 0 and text[start - 1] in "eE" and not _word_before(text, start - 1)
+    )
+    return _quote_end(text, start, quote, escapes)
 
 
 def _word_before(text: str, i: int) -> bool:
