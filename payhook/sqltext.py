@@ -20,6 +20,8 @@ _WORD = re.compile(r"\w[\w$]*")
 #: The start of a dollar-quoted string: `$$` or `$tag$`.
 _DOLLAR_QUOTE = re.compile(r"\$(?:[A-Za-z_][A-Za-z0-9_]*)?\$")
 _PART = re.compile(IDENTIFIER)
+#: A DO block: its first dollar-quoted string is code.
+_DO = re.compile(r"^\s*DO\b", re.IGNORECASE)
 #: A name PostgreSQL reads the same without quotes.
 _PLAIN = re.compile(r"^[a-z_][a-z0-9_$]*$")
 
@@ -31,55 +33,16 @@ MAX_NAME_BYTES = 63
 
 
 def identifier(text: str) -> str:
-    """The name an identifier written in SQL stands for: `Foo` is `foo`, `"Foo"` is `Foo`."""
+    """The name an identifier written in SQL stands for: `Foo` is `foo`,
+    `"Foo"` is `Foo`; cut, as PostgreSQL cuts it, to 63 bytes."""
     text = text.strip()
-    if text.startswith('"'):
-        return text[1:-1].replace('""', '"')
-    return text.translate(_FOLD)
+    name = text[1:-1].replace('""', '"') if text.startswith('"') else text.translate(_FOLD)
+    return _clip(name, MAX_NAME_BYTES)
 
 
-def default_name(relation: str, columns: tuple[str, ...], label: str) -> str:
-    """The name PostgreSQL gives an index or constraint created without one
-    (`label`: idx, key, pkey), if that name is free (else it adds a number):
-    the table's name, the columns' (none for a primary key) and the label,
-    joined with `_`, the longer part cut first to fit 63 bytes."""
-    parts = [relation, "_".join(columns)] if columns else [relation]
-    room = MAX_NAME_BYTES - len(label.encode()) - len(parts)
-    sizes = [len(p.encode()) for p in parts]
-    while sum(sizes) > room:  # as PostgreSQL's makeObjectName: a tie cuts the columns
-        sizes[0 if sizes[0] > sizes[-1] else -1] -= 1
-    cut = [p.encode()[:n].decode(errors="ignore") for p, n in zip(parts, sizes, strict=True)]
-    return "_".join([*cut, label])
-
-
-def code_only(statement: str) -> str:
-    """A statement with what is not code taken out, bodies of `DO` blocks and
-    functions read as code: comments removed, string literals emptied (`''`),
-    dollar quotes dropped. What is left may be searched for statements a
-    migration runs, never for one it only mentions."""
-    out: list[str] = []
-    i, n = 0, len(statement)
-    while i < n:
-        char = statement[i]
-        end = _comment_end(statement, i)
-        if end is not None:
-            out.append(" " if char == "/" else "")
-            i = end
-            continue
-        if char in "'\"":
-            end = _quoted_end(statement, i)
-            out.append("''" if char == "'" else statement[i:end])
-            i = end
-            continue
-        if char == "$" and not _word_before(statement, i):
-            tag = _DOLLAR_QUOTE.match(statement, i)
-            if tag is not None:
-                out.append(" ")
-                i = tag.end()
-                continue
-        out.append(char)
-        i += 1
-    return "".join(out)
+def quoted(name: str) -> str:
+    """A name as SQL writes it: quoted only where it must be."""
+    return name if _PLAIN.match(name) else '"' + name.replace('"', '""') + '"'
 
 
 def name_parts(text: str) -> tuple[str, ...]:
@@ -90,10 +53,83 @@ def name_parts(text: str) -> tuple[str, ...]:
 def qualified(text: str) -> str:
     """A possibly qualified name written in SQL, written the one way PostgreSQL
     reads back as the same object (`to_regclass`): quoted only where needed."""
-    return ".".join(
-        part if _PLAIN.match(part) else '"' + part.replace('"', '""') + '"'
-        for part in name_parts(text)
-    )
+    return ".".join(quoted(part) for part in name_parts(text))
+
+
+def default_name(relation: str, columns: tuple[str, ...], label: str) -> str:
+    """The name PostgreSQL gives an index or constraint created without one
+    (`label`: idx, key, pkey), if that name is free (else it adds a number):
+    the table's name, the columns' (those of INCLUDE too, a repeated one
+    numbered; none for a primary key) and the label, joined with `_`, the
+    longer part cut first to fit 63 bytes."""
+    names: list[str] = []
+    for column in columns:  # as ChooseIndexColumnNames
+        name, number = column, 0
+        while name in names:
+            number += 1
+            name = _clip(column, MAX_NAME_BYTES - len(str(number))) + str(number)
+        names.append(name)
+    parts = [relation, "_".join(names)] if names else [relation]
+    room = MAX_NAME_BYTES - len(label.encode()) - len(parts)
+    sizes = [len(p.encode()) for p in parts]
+    while sum(sizes) > room:  # as makeObjectName: a tie cuts the columns
+        sizes[0 if sizes[0] > sizes[-1] else -1] -= 1
+    return "_".join([*(_clip(p, n) for p, n in zip(parts, sizes, strict=True)), label])
+
+
+def _clip(name: str, size: int) -> str:
+    """The longest start of `name` that fits `size` bytes, whole characters only."""
+    return name.encode()[:size].decode(errors="ignore")
+
+
+def split_code(statement: str) -> tuple[str, str]:
+    """A statement's code, and the text of its strings, apart.
+
+    The code is the statement with comments taken out and its strings
+    emptied (`''`); the body of a `DO` block is code too, read the same way
+    (a dollar-quoted string in it is a string). The strings are everything
+    else quoted, each on a line: text a migration only mentions, or runs
+    through `EXECUTE` or a function, which no reader of SQL can tell apart.
+    """
+    do_block = _DO.match(statement) is not None
+    code: list[str] = []
+    strings: list[str] = []
+    i, n = 0, len(statement)
+    while i < n:
+        char = statement[i]
+        end = _comment_end(statement, i)
+        if end is not None:
+            code.append(" " if char == "/" else "")
+            i = end
+            continue
+        if char in "'\"":
+            end = _quoted_end(statement, i)
+            if char == "'":
+                code.append("''")
+                strings.append(statement[i + 1 : end - 1])
+            else:
+                code.append(statement[i:end])
+            i = end
+            continue
+        if char == "$" and not _word_before(statement, i):
+            tag = _DOLLAR_QUOTE.match(statement, i)
+            if tag is not None:
+                close = statement.find(tag.group(), tag.end())
+                end = n if close < 0 else close + len(tag.group())
+                body = statement[tag.end() : n if close < 0 else close]
+                if do_block:  # the block's body, once
+                    do_block = False
+                    body_code, body_strings = split_code(body)
+                    code.append(f" {body_code} ")
+                    strings.append(body_strings)
+                else:
+                    code.append("''")
+                    strings.append(body)
+                i = end
+                continue
+        code.append(char)
+        i += 1
+    return "".join(code), "\n".join(strings)
 
 
 def split_statements(text: str) -> list[LiteralString]:

@@ -31,6 +31,7 @@ import argparse
 import functools
 import json
 import re
+import shlex
 import sys
 from collections import Counter, defaultdict
 from collections.abc import Iterator
@@ -49,11 +50,12 @@ from payhook.settings import Settings
 from payhook.sqltext import (
     IDENTIFIER,
     QUALIFIED,
-    code_only,
     default_name,
     identifier,
     name_parts,
     qualified,
+    quoted,
+    split_code,
     split_statements,
 )
 
@@ -100,7 +102,15 @@ _ALTER_TABLE = re.compile(
 _ADD_KEY = re.compile(
     rf"\bADD\s+(?:CONSTRAINT\s+(?P<name>{IDENTIFIER})\s+)?(?P<kind>UNIQUE|PRIMARY\s+KEY)\s*"
     r"(?P<nulls>NULLS\s+(?:NOT\s+)?DISTINCT\s*)?"
-    r"(?:(?P<using>USING\s+INDEX)\b|\((?P<columns>[^()]*)\))?",
+    r"(?:(?P<using>USING\s+INDEX)\b|\((?P<columns>[^()]*)\)"
+    r"(?:\s*INCLUDE\s*\((?P<include>[^()]*)\))?)?",
+    re.IGNORECASE,
+)
+#: The columns an index carries without comparing them; PostgreSQL names it after them too.
+_INCLUDE = re.compile(r"\bINCLUDE\s*\((?P<include>[^()]*)\)", re.IGNORECASE)
+#: A unique rule written in a string: run through EXECUTE or a function, or only mentioned.
+_MENTION = re.compile(
+    r"\bCREATE\s+UNIQUE\s+INDEX\b|\bADD\s+(?:CONSTRAINT\s+\S+\s+)?(?:UNIQUE|PRIMARY\s+KEY)\b",
     re.IGNORECASE,
 )
 #: Wherever an ALTER TABLE says it (out of quoted names): a rule of some form, read or not.
@@ -223,13 +233,13 @@ def all_rules_in(text: str) -> list[UniqueRule | UncheckableRule]:
     """
     rules: list[UniqueRule | UncheckableRule] = []
     for statement in split_statements(text):
-        # Comments and strings out: a rule a DO block only mentions is none.
-        code = code_only(statement)
+        # Comments and strings apart: a rule a DO block only mentions is none.
+        code, strings = split_code(statement)
         if _CREATE_UNIQUE.search(code):
             try:
                 rules.append(_index_rule(statement))
             except RuleError as exc:
-                named = _INDEX_NAME.search(statement)
+                named = _INDEX_NAME.search(code)
                 name = (
                     identifier(named["name"])
                     if named and named["name"]
@@ -238,6 +248,16 @@ def all_rules_in(text: str) -> list[UniqueRule | UncheckableRule]:
                 rules.append(UncheckableRule(name, str(exc)))
         for alter in _ALTER_TABLE.finditer(code):
             rules += _table_rules(alter, statement)
+        mention = _MENTION.search(strings)
+        if mention is not None:
+            written = " ".join(strings[mention.start() :].split())[:120]
+            rules.append(
+                UncheckableRule(
+                    written,
+                    "a unique rule written in a string: if the migration runs it (EXECUTE, "
+                    "a function) it cannot be checked, and the build is the check",
+                )
+            )
     return rules
 
 
@@ -263,7 +283,9 @@ def _table_rules(alter: re.Match[str], statement: str) -> list[UniqueRule | Unch
             continue
         relation = name_parts(table)[-1]
         default = (
-            default_name(relation, (), "pkey") if pkey else default_name(relation, columns, "key")
+            default_name(relation, (), "pkey")
+            if pkey
+            else default_name(relation, columns + _included(add["include"], statement), "key")
         )
         nulls = add["nulls"] or ""
         rules.append(
@@ -295,17 +317,27 @@ def _index_rule(statement: str) -> UniqueRule:
         )
     rest = match["rest"]
     where = _WHERE.search(rest)
+    included = _INCLUDE.search(rest[: where.start()] if where else rest)
     table = qualified(match["table"])
     columns = _columns(match["columns"], statement)
     return UniqueRule(
         name=identifier(match["name"])
         if match["name"]
-        else default_name(name_parts(table)[-1], columns, "idx"),
+        else default_name(
+            name_parts(table)[-1],
+            columns + _included(included and included["include"], statement),
+            "idx",
+        ),
         table=table,
         columns=columns,
         predicate=where["predicate"].strip() if where else None,
         nulls_distinct=re.search(r"\bNULLS\s+NOT\s+DISTINCT\b", rest, re.IGNORECASE) is None,
     )
+
+
+def _included(text: str | None, statement: str) -> tuple[str, ...]:
+    """The columns of an INCLUDE, for the name PostgreSQL gives the rule."""
+    return _columns(text, statement) if text else ()
 
 
 def _columns(text: str, statement: str) -> tuple[str, ...]:
@@ -529,8 +561,8 @@ def resolve_rule(
         # physical table: on the parent it would match rows of every partition.
         raise RuleError(
             f"{rule.name}: {rule.table} is partitioned; check, then resolve, each "
-            f"partition by name (--rule {rule.name} --table PARTITION --columns "
-            f"{','.join(rule.columns)})"
+            f"partition by name (--rule {shlex.quote(quoted(rule.name))} --table PARTITION "
+            f"--columns {shlex.quote(','.join(map(quoted, rule.columns)))})"
         )
     parts = _parts(rule, shape)
     lock = _template("lock_group_rows", parts)
@@ -710,7 +742,7 @@ def _chosen_rules(
     wanted = None if args.rule is None else identifier(args.rule)
     chosen = [r for r in rules if wanted in (None, r.name)]
     if args.rule is not None and not chosen:
-        pending = ", ".join(r.name for r in rules) or "none"
+        pending = ", ".join(shlex.quote(quoted(r.name)) for r in rules) or "none"
         raise RuleError(f"--rule {args.rule}: no pending migration adds it (pending: {pending})")
     if args.rule is not None and isinstance(chosen[0], UncheckableRule):
         raise RuleError(f"--rule {args.rule}: cannot be checked: {chosen[0].reason}")

@@ -588,6 +588,9 @@ def test_a_rule_on_a_table_with_child_tables_covers_its_own_rows(
     rule = UniqueRule("base_key", "public.base", ("tenant_id", "k"))
     assert check_rule(conn, rule).groups == []
     conn.execute("INSERT INTO public.base VALUES (%(t)s, 'x'), (%(t)s, 'x')", {"t": tenant})
+    kid_rule = UniqueRule("base_key", "public.kid", ("tenant_id", "k"))
+    assert len(check_rule(conn, kid_rule).groups) == 1
+    assert remaining_conflicts(conn, rule) == {"unclassified": 1}, "the child's report is its own"
     assert len(check_rule(conn, rule).groups) == 1
     assert resolve_rule(conn, rule).quarantined == 1
     assert remaining_conflicts(conn, rule) == {}
@@ -620,7 +623,11 @@ def test_a_rule_without_a_name_is_read_under_the_name_postgresql_gives_it(
         "ALTER TABLE public.named ADD UNIQUE (tenant_id, k)",
         "ALTER TABLE public.named ADD PRIMARY KEY (tenant_id, id)",
         "CREATE UNIQUE INDEX ON public.named (tenant_id, id, k)",
+        "CREATE UNIQUE INDEX ON public.named (tenant_id, k) INCLUDE (id) WHERE k <> ''",
+        "ALTER TABLE public.named ADD UNIQUE (tenant_id, id) INCLUDE (k)",
+        "CREATE UNIQUE INDEX ON public.named (tenant_id, k, k)",
         f"ALTER TABLE public.{long} ADD UNIQUE (tenant_id, {'c' * 40})",
+        f'CREATE UNIQUE INDEX "{"N" * 70}" ON public.named (tenant_id, k)',
     ]
     conn.execute("CREATE TABLE public.named (tenant_id uuid NOT NULL, id int NOT NULL, k text)")
     conn.execute(f"CREATE TABLE public.{long} (tenant_id uuid, {'c' * 40} text)")

@@ -325,6 +325,26 @@ def test_the_check_skips_rules_that_pending_migrations_create_and_checks_the_res
     assert status == 1
 
 
+def test_a_pending_rule_named_in_upper_case_is_the_rule(
+    conn: psycopg.Connection[Row],
+    settings: Settings,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`--rule` is read as SQL reads a name: unquoted, it is folded."""
+    folder = folder_with(tmp_path, "exceptions_event_kind_key", RULE_MIGRATION)
+    monkeypatch.setattr(migrations, "migrations_dir", lambda: folder)
+    add_exception(conn, "evt_1")
+    add_exception(conn, "evt_1")
+    args = argparse.Namespace(
+        action="check", rule=RULE.upper(), table=None, columns=None, ignore=None
+    )
+    assert uniqueness.run(args, settings) == 1
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert json.loads(line)["rule"] == RULE and json.loads(line)["redelivery"] == 1
+
+
 def test_naming_a_rule_that_cannot_be_checked_says_so_and_why(
     settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

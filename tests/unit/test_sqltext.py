@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from payhook.sqltext import code_only, identifier, qualified, split_statements
+from payhook.sqltext import identifier, qualified, split_code, split_statements
 from payhook.uniqueness import UncheckableRule, UniqueRule, all_rules_in, rules_in
 
 
@@ -133,12 +133,13 @@ def test_every_unique_rule_an_alter_table_adds_is_read_or_listed_as_unchecked() 
 
 
 def test_a_rule_a_do_block_only_mentions_is_none() -> None:
-    """In a comment or a string of the block's body; the block's own ALTER TABLE is read."""
+    """In a comment or a string of the block's body it is at most a warning;
+    the block's own ALTER TABLE is read, after nested dollar quotes too."""
     text = """DO $$
 BEGIN
     -- Was: ALTER TABLE payhook.x ADD CONSTRAINT old_key UNIQUE (tenant_id, kind)
     /* CREATE UNIQUE INDEX gone ON payhook.x (tenant_id, a); */
-    RAISE NOTICE 'ALTER TABLE payhook.x ADD UNIQUE (tenant_id, b)';
+    RAISE NOTICE $m$ don't -- $m$;
     IF NOT EXISTS (SELECT 1 FROM pg_constraint WHERE conname = 'x_key') THEN
         ALTER TABLE payhook.x ADD CONSTRAINT x_key UNIQUE (tenant_id, c);
     END IF;
@@ -146,7 +147,24 @@ END
 $$;
 """
     assert all_rules_in(text) == [UniqueRule("x_key", "payhook.x", ("tenant_id", "c"))]
-    assert "old_key" not in code_only(text) and "'ALTER" not in code_only(text)
+    code, _ = split_code(text)
+    assert "old_key" not in code and "gone" not in code and "don't" not in code
+
+
+def test_a_rule_in_a_string_is_listed_as_unchecked_never_checked() -> None:
+    """Run through EXECUTE or a function, or only mentioned: no reader of SQL
+    can tell which, so it is neither checked nor passed over in silence."""
+    for text in (
+        "DO $$ BEGIN EXECUTE 'CREATE UNIQUE INDEX dyn_key ON payhook.x (tenant_id, c)'; END $$;",
+        "DO $$ BEGIN RAISE NOTICE 'ALTER TABLE payhook.x ADD UNIQUE (tenant_id, b)'; END $$;",
+        "COMMENT ON TABLE payhook.x IS $c$ALTER TABLE payhook.x ADD UNIQUE (tenant_id, c)$c$;",
+        "CREATE FUNCTION payhook.f() RETURNS void LANGUAGE sql AS $f$"
+        " ALTER TABLE payhook.x ADD CONSTRAINT fn_key UNIQUE (tenant_id, c) $f$;",
+    ):
+        (rule,) = all_rules_in(text)
+        assert isinstance(rule, UncheckableRule), text
+        assert "written in a string" in rule.reason
+        assert rules_in(text, strict=False) == [], "the runner checks nothing of it"
 
 
 def test_unique_in_a_string_or_a_quoted_name_is_no_rule() -> None:
