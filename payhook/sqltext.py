@@ -23,7 +23,7 @@ _PART = re.compile(IDENTIFIER)
 #: A DO block: its first dollar-quoted string is code.
 _DO = re.compile(r"^\s*DO\b", re.IGNORECASE)
 #: A name PostgreSQL reads the same without quotes.
-_PLAIN = re.compile(r"^[a-z_][a-z0-9_$]*$")
+_PLAIN = re.compile(r"[a-z_][a-z0-9_$]*")
 
 
 #: What PostgreSQL makes of an unquoted identifier: ASCII letters folded, others kept.
@@ -42,7 +42,7 @@ def identifier(text: str) -> str:
 
 def quoted(name: str) -> str:
     """A name as SQL writes it: quoted only where it must be."""
-    return name if _PLAIN.match(name) else '"' + name.replace('"', '""') + '"'
+    return name if _PLAIN.fullmatch(name) else '"' + name.replace('"', '""') + '"'
 
 
 def name_parts(text: str) -> tuple[str, ...]:

@@ -110,7 +110,7 @@ _ADD_KEY = re.compile(
 _INCLUDE = re.compile(r"\bINCLUDE\s*\((?P<include>[^()]*)\)", re.IGNORECASE)
 #: A unique rule written in a string: run through EXECUTE or a function, or only mentioned.
 _MENTION = re.compile(
-    r"\bCREATE\s+UNIQUE\s+INDEX\b|\bADD\s+(?:CONSTRAINT\s+\S+\s+)?(?:UNIQUE|PRIMARY\s+KEY)\b",
+    r"\bCREATE\s+UNIQUE\s+INDEX\b|\bALTER\s+TABLE\b[^;]*?\b(?:UNIQUE|PRIMARY\s+KEY)\b",
     re.IGNORECASE,
 )
 #: Wherever an ALTER TABLE says it (out of quoted names): a rule of some form, read or not.
@@ -233,7 +233,7 @@ def all_rules_in(text: str) -> list[UniqueRule | UncheckableRule]:
     """
     rules: list[UniqueRule | UncheckableRule] = []
     for statement in split_statements(text):
-        # Comments and strings apart: a rule a DO block only mentions is none.
+        # Comments and strings apart: a rule in a string is at most a warning.
         code, strings = split_code(statement)
         if _CREATE_UNIQUE.search(code):
             try:

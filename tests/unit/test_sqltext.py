@@ -95,6 +95,7 @@ def test_identifiers_fold_to_lower_case_unless_quoted() -> None:
     assert identifier('"say ""hi"""') == 'say "hi"'
     assert qualified('PayHook."Orders"') == 'payhook."Orders"'
     assert qualified('"payhook" . "orders"') == "payhook.orders"
+    assert qualified('"orders\n"') == '"orders\n"', "a newline is part of the name"
 
 
 def test_rules_name_the_columns_and_table_as_postgresql_reads_them() -> None:
@@ -132,7 +133,7 @@ def test_every_unique_rule_an_alter_table_adds_is_read_or_listed_as_unchecked() 
     assert [r.name for r in unchecked[1:]] == ["three", 'payhook."U"']
 
 
-def test_a_rule_a_do_block_only_mentions_is_none() -> None:
+def test_a_do_block_s_own_rule_is_read_and_its_comments_and_strings_are_not() -> None:
     """In a comment or a string of the block's body it is at most a warning;
     the block's own ALTER TABLE is read, after nested dollar quotes too."""
     text = """DO $$
@@ -157,6 +158,8 @@ def test_a_rule_in_a_string_is_listed_as_unchecked_never_checked() -> None:
     for text in (
         "DO $$ BEGIN EXECUTE 'CREATE UNIQUE INDEX dyn_key ON payhook.x (tenant_id, c)'; END $$;",
         "DO $$ BEGIN RAISE NOTICE 'ALTER TABLE payhook.x ADD UNIQUE (tenant_id, b)'; END $$;",
+        """DO $$ BEGIN EXECUTE 'ALTER TABLE t ADD CONSTRAINT "my key" UNIQUE (a)'; END $$;""",
+        "DO $$ BEGIN EXECUTE $e$ALTER TABLE t ADD COLUMN d int UNIQUE$e$; END $$;",
         "COMMENT ON TABLE payhook.x IS $c$ALTER TABLE payhook.x ADD UNIQUE (tenant_id, c)$c$;",
         "CREATE FUNCTION payhook.f() RETURNS void LANGUAGE sql AS $f$"
         " ALTER TABLE payhook.x ADD CONSTRAINT fn_key UNIQUE (tenant_id, c) $f$;",
