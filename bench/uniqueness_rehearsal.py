@@ -50,7 +50,8 @@ from payhook.envelope import Envelope
 from payhook.migrations import apply_migrations, list_migrations
 from payhook.queue import enqueue_event, events_queue
 from payhook.settings import Settings
-from payhook.uniqueness import UniqueRule, check_rule, resolve_rule
+from payhook.unique_rules import UniqueRule
+from payhook.uniqueness import check_rule, resolve_rule
 from tests.factories import StandardEvent
 from tests.processes import process_env, start, stop, wait_until
 

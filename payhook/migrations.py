@@ -51,7 +51,8 @@ from payhook.errors import MigrationError
 from payhook.queries import query, sql_root
 from payhook.settings import Settings
 from payhook.sqltext import IDENTIFIER, QUALIFIED, identifier, qualified, split_statements
-from payhook.uniqueness import SESSION_OPTIONS, RuleError, require_no_conflicts, rules_in
+from payhook.unique_rules import RuleError, rules_in
+from payhook.uniqueness import SESSION_OPTIONS, require_no_conflicts
 
 log = structlog.get_logger(__name__)
 

@@ -19,14 +19,12 @@ from payhook.db import Row, connect, fetch_one
 from payhook.errors import MigrationError
 from payhook.migrations import apply_migrations, list_migrations
 from payhook.settings import Settings
+from payhook.unique_rules import RuleError, UniqueRule, rules_in
 from payhook.uniqueness import (
-    RuleError,
-    UniqueRule,
     UnresolvedConflicts,
     check_rule,
     remaining_conflicts,
     resolve_rule,
-    rules_in,
 )
 from tests.conftest import PG_SERVER, test_settings
 from tests.processes import run_cli

@@ -20,7 +20,8 @@ from payhook.db import Row, connect, fetch_one
 from payhook.errors import MigrationError
 from payhook.migrations import InvalidIndexLeft, apply_migrations, list_migrations
 from payhook.settings import Settings
-from payhook.uniqueness import UniqueRule, check_rule, remaining_conflicts, resolve_rule
+from payhook.unique_rules import RuleError, UniqueRule
+from payhook.uniqueness import check_rule, remaining_conflicts, resolve_rule
 from tests.conftest import test_settings
 from tests.integration.test_uniqueness import (
     EXCEPTIONS_RULE,
@@ -354,7 +355,7 @@ def test_naming_a_rule_that_cannot_be_checked_says_so_and_why(
         action="check", rule="refund_requests_lower_key", table=None, columns=None, ignore=None
     )
     with pytest.raises(
-        uniqueness.RuleError,
+        RuleError,
         match=r"--rule refund_requests_lower_key: cannot be checked: .*lower\(ref\)",
     ):
         uniqueness.run(args, settings)
