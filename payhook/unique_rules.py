@@ -160,34 +160,11 @@ def _table_rules(alter: re.Match[str], statement: str) -> list[UniqueRule | Unch
     for add in adds:
         if add["using"]:
             continue  # an index built before: its build was the check
-        columns_text = add["columns"]
-        pkey = add["kind"].upper().startswith("PRIMARY")
         try:
-            if columns_text is None:
-                raise RuleError(
-                    f"cannot read the columns of the rule in: {' '.join(statement.split())} "
-                    "(the build is the check)"
-                )
-            columns = _columns(columns_text, statement)
+            rules.append(_added_rule(add, table, statement))
         except RuleError as exc:
             name = identifier(add["name"]) if add["name"] else table
             rules.append(UncheckableRule(name, str(exc)))
-            continue
-        relation = name_parts(table)[-1]
-        default = (
-            default_name(relation, (), "pkey")
-            if pkey
-            else default_name(relation, columns + _included(add["include"], statement), "key")
-        )
-        nulls = add["nulls"] or ""
-        rules.append(
-            UniqueRule(
-                name=identifier(add["name"]) if add["name"] else default,
-                table=table,
-                columns=columns,
-                nulls_distinct=re.search(r"\bNOT\b", nulls, re.IGNORECASE) is None,
-            )
-        )
     if len(_KEY_WORD.findall(_QUOTED_NAME.sub('""', alter["actions"]))) > len(adds):
         rules.append(
             UncheckableRule(
@@ -198,6 +175,29 @@ def _table_rules(alter: re.Match[str], statement: str) -> list[UniqueRule | Unch
             )
         )
     return rules
+
+
+def _added_rule(add: re.Match[str], table: str, statement: str) -> UniqueRule:
+    """The rule of one ADD ... UNIQUE | PRIMARY KEY action (`RuleError`: unreadable)."""
+    if add["columns"] is None:
+        raise RuleError(
+            f"cannot read the columns of the rule in: {' '.join(statement.split())} "
+            "(the build is the check)"
+        )
+    columns = _columns(add["columns"], statement)
+    if add["name"]:
+        name = identifier(add["name"])
+    elif add["kind"].upper().startswith("PRIMARY"):
+        name = default_name(name_parts(table)[-1], (), "pkey")
+    else:
+        included = _included(add["include"], statement)
+        name = default_name(name_parts(table)[-1], columns + included, "key")
+    return UniqueRule(
+        name=name,
+        table=table,
+        columns=columns,
+        nulls_distinct=re.search(r"\bNOT\b", add["nulls"] or "", re.IGNORECASE) is None,
+    )
 
 
 def _index_rule(statement: str) -> UniqueRule:
