@@ -23,6 +23,7 @@ next statement sees the archived identity.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 import uuid
@@ -74,6 +75,8 @@ class Applied:
     order_id: str | None = None
     exception_id: int | None = None
     retries: int = 0
+    #: Applied, and events of the order wait as exceptions, arrived too early.
+    parked: bool = False
 
 
 class TooManyRetries(Exception):
@@ -113,7 +116,7 @@ def apply_with_retries(
                 raise TooManyRetries(attempt, exc.sqlstate) from exc
             time.sleep(random.uniform(0, RETRY_BASE_DELAY * 2**attempt))
             continue
-        return Applied(result.outcome, result.order_id, result.exception_id, retries=attempt)
+        return dataclasses.replace(result, retries=attempt)
 
 
 def apply_event(
@@ -205,15 +208,18 @@ def apply_event(
         order_id = orders[0].id if len(orders) == 1 else None
 
         exception_id = None
+        moved = None
         if decision.outcome == "applied":
             assert orders and decision.to_state is not None
             # Marks the receipt too.
-            write_transition(conn, endpoint, event, orders[0], decision)
+            moved = write_transition(conn, endpoint, event, orders[0], decision)
         else:
             if decision.is_exception:
                 exception_id = record_exception(conn, endpoint, event, order_id, decision)
             mark_receipt(conn, key, decision.outcome, order_id)
-    return Applied(decision.outcome, order_id, exception_id)
+    # Read once the pipeline has ended and committed.
+    parked = moved is not None and bool((moved.fetchone() or {}).get("parked"))
+    return Applied(decision.outcome, order_id, exception_id, parked=parked)
 
 
 def _duplicate(
@@ -247,11 +253,12 @@ def write_transition(
     event: Event,
     order: Order,
     decision: Decision,
-) -> None:
+) -> psycopg.Cursor[Row]:
     """Queue the state change, its audit row, its outbox row and the receipt's
     outcome, in one statement. If the order did not move (it always does,
     under the lock the caller holds), the statement fails and with it the
-    transaction.
+    transaction. Its cursor reads, once the statement ran, whether events of
+    the order wait as exceptions (`parked`).
     """
     assert decision.action is not None, "every forward transition has a side effect"
     assert decision.refunded_minor is not None, "every forward transition states the refunds"
@@ -277,7 +284,7 @@ def write_transition(
     }
     # The order is locked FOR UPDATE by this transaction: its state is the
     # one `decide` saw, so the move always happens.
-    conn.execute(
+    return conn.execute(
         query("apply_transition"),
         {
             "tenant_id": endpoint.tenant_id,

@@ -73,7 +73,9 @@ SELECT id, merchant_reference, gateway_order_id, amount_minor, currency, state,
 -- its outbox row and the receipt's outcome. The caller holds the order
 -- FOR UPDATE, so it moves; were it ever not to, the outcome would be NULL,
 -- which the receipt's NOT NULL constraint refuses: the transaction fails
--- rather than record an effect that did not happen.
+-- rather than record an effect that did not happen. Returns whether events
+-- of the order wait as `invalid_transition` exceptions (arrived too early):
+-- the lock is held, so any recorded before this move are seen.
 WITH moved AS (
     UPDATE payhook.payment_orders
        SET state = %(to_state)s, refunded_minor = %(refunded_minor)s, updated_at = now()
@@ -94,6 +96,11 @@ UPDATE payhook.payment_event_receipts
    SET outcome = CASE WHEN EXISTS (SELECT 1 FROM moved) THEN %(outcome)s END,
        order_id = %(order_id)s, processed_at = now()
  WHERE tenant_id = %(tenant_id)s AND event_id = %(event_id)s
+RETURNING EXISTS (
+        SELECT 1 FROM payhook.payment_exceptions
+         WHERE tenant_id = %(tenant_id)s AND order_id = %(order_id)s
+           AND kind = 'invalid_transition' AND resolved_at IS NULL
+       ) AS parked
 
 -- insert_outbox --
 -- One outbox row on its own, for seeding the outbox worker's tests and
@@ -120,3 +127,11 @@ INSERT INTO payhook.security_anomalies
        (tenant_id, event_id, endpoint_id, delivery_id, kind, stored_sha256, received_sha256)
 VALUES (%(tenant_id)s, %(event_id)s, %(endpoint_id)s, %(delivery_id)s, %(kind)s,
         %(stored_sha256)s, %(received_sha256)s)
+
+-- parked_exceptions --
+-- The events of an order that arrived too early, oldest first.
+SELECT id
+  FROM payhook.payment_exceptions
+ WHERE tenant_id = %(tenant_id)s AND order_id = %(order_id)s
+   AND kind = 'invalid_transition' AND resolved_at IS NULL
+ ORDER BY id

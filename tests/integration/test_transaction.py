@@ -338,23 +338,98 @@ def test_stripe_redelivery_of_an_unreadable_event_is_a_duplicate_not_a_conflict(
     assert factory.count("payment_exceptions", kind="malformed") == 1
 
 
-def test_refund_before_payment_is_an_exception_not_dropped(
+def test_a_refund_before_its_payment_waits_then_applies_once_the_payment_does(
     runtime: Runtime, factory: Factory
 ) -> None:
+    """Kept as an exception, never dropped; replayed, once, by the consumer
+    that moves the order. A redelivery of either changes nothing more."""
     shop = factory.shop()
     order_id = factory.order(shop)
-    assert (
-        apply(runtime, factory, shop, StandardEvent(type="payment.refunded"))
-        == "invalid_transition"
-    )
-    assert apply(runtime, factory, shop, StandardEvent()) == "applied"
-    assert (
-        apply(runtime, factory, shop, StandardEvent(type="payment.refunded", amount=500))
-        == "applied"
-    )
+    refund = StandardEvent(type="payment.refunded", amount=500)
+    assert apply(runtime, factory, shop, refund) == "invalid_transition"
+    assert factory.order_state(shop, order_id) == "pending"
+    payment = StandardEvent()
+    assert apply(runtime, factory, shop, payment) == "applied"
     assert factory.order_state(shop, order_id) == "partially_refunded"
-    assert factory.count("payment_exceptions", kind="invalid_transition") == 1
+    rows = factory.conn.execute(
+        "SELECT kind, detail->>'resolution' AS resolution FROM payhook.payment_exceptions"
+        " WHERE resolved_at IS NOT NULL"
+    ).fetchall()
+    assert rows == [{"kind": "invalid_transition", "resolution": "replay:applied"}]
+    assert (apply(runtime, factory, shop, refund), apply(runtime, factory, shop, payment)) == (
+        "duplicate",
+        "duplicate",
+    )
+    assert factory.count("payment_outbox", action="fulfil_order") == 1
     assert factory.count("payment_outbox", action="notify_refund") == 1
+    assert factory.count("payment_order_transitions") == 2
+
+
+def test_a_refund_racing_its_payment_is_applied_once_whichever_commits_first(
+    runtime: Runtime, factory: Factory
+) -> None:
+    """The refund either sees the payment, or is parked before the payment's
+    lock is taken and the payment's consumer finds it: never left behind."""
+    shop = factory.shop()
+    parked = 0
+    for i in range(15):
+        order_id = factory.order(shop, f"race-{i}", f"pi_race_{i}")
+        pair = [
+            StandardEvent(type="payment.refunded", merchant_reference=f"race-{i}",
+                          gateway_order_id=f"pi_race_{i}", amount=500),
+            StandardEvent(merchant_reference=f"race-{i}", gateway_order_id=f"pi_race_{i}"),
+        ]  # fmt: skip
+        barrier = threading.Barrier(2)
+        outcomes: dict[str, str] = {}
+
+        def deliver(
+            event: StandardEvent, barrier: threading.Barrier, outcomes: dict[str, str]
+        ) -> None:
+            barrier.wait()
+            outcomes[event.type] = apply(runtime, factory, shop, event)
+
+        threads = [threading.Thread(target=deliver, args=(e, barrier, outcomes)) for e in pair]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=30)
+        assert outcomes["payment.succeeded"] == "applied"
+        assert outcomes["payment.refunded"] in ("applied", "invalid_transition")
+        assert factory.order_state(shop, order_id) == "partially_refunded", outcomes
+        parked += outcomes["payment.refunded"] == "invalid_transition"
+    print(f"{parked} of 15 refunds were parked, then replayed")
+    assert factory.count("payment_outbox", action="notify_refund") == 15
+    assert factory.count("payment_exceptions") == factory.count(
+        "payment_exceptions", kind="invalid_transition"
+    )
+    open_ = factory.conn.execute(
+        "SELECT count(*) AS n FROM payhook.payment_exceptions WHERE resolved_at IS NULL"
+    ).fetchone()
+    assert open_ == {"n": 0}
+
+
+def test_early_events_that_still_cannot_apply_stay_parked_and_the_rest_apply(
+    runtime: Runtime, factory: Factory
+) -> None:
+    """Replayed oldest first once the payment applies: a dispute and a refund
+    apply; a refund of more than was paid waits for an operator."""
+    shop = factory.shop()
+    order_id = factory.order(shop)
+    events = [
+        StandardEvent(type="payment.disputed"),
+        StandardEvent(type="payment.refunded", amount=5000),
+        StandardEvent(type="payment.refunded", amount=500),
+    ]
+    assert [apply(runtime, factory, shop, e) for e in events] == ["invalid_transition"] * 3
+    assert apply(runtime, factory, shop, StandardEvent()) == "applied"
+    row = factory.conn.execute(
+        "SELECT state, refunded_minor FROM payhook.payment_orders WHERE id = %s", (order_id,)
+    ).fetchone()
+    assert row == {"state": "disputed", "refunded_minor": 500}
+    still = factory.conn.execute(
+        "SELECT event_id FROM payhook.payment_exceptions WHERE resolved_at IS NULL"
+    ).fetchall()
+    assert [r["event_id"] for r in still] == [events[1].event_id]
 
 
 def test_events_delivered_out_of_order_are_applied_as_they_happened(
