@@ -14,10 +14,10 @@ import structlog
 from redis import Redis
 
 from consumer.endpoints import EndpointCache
-from consumer.replay import NotReplayable, replay_exception
+from consumer.replay import replay_parked
 from consumer.transaction import Applied, Endpoint, TooManyRetries, apply_with_retries
 from payhook import counters
-from payhook.db import Pool, Row, execute, fetch_all, pooled_connection
+from payhook.db import Pool, Row, execute, pooled_connection
 from payhook.envelope import Envelope, MalformedJob, NewerEnvelope
 from payhook.errors import MalformedEvent, SignatureError, SignatureMismatch
 from payhook.gateways import Event, Gateway, get_gateway
@@ -103,38 +103,12 @@ def handle(runtime: Runtime, data: object) -> Applied:
             _count_retries(runtime, exc.attempts)
             raise
         _count_retries(runtime, result.retries)
+        if FAULT_KILL_AFTER_COMMIT in runtime.settings.faults:
+            log.warning("fault_kill_after_commit")
+            os.kill(os.getpid(), signal.SIGKILL)
         if result.parked and result.order_id is not None:
             replay_parked(conn, endpoint.tenant_id, result.order_id)
-    if FAULT_KILL_AFTER_COMMIT in runtime.settings.faults:
-        log.warning("fault_kill_after_commit")
-        os.kill(os.getpid(), signal.SIGKILL)
     return result
-
-
-def replay_parked(conn: psycopg.Connection[Row], tenant_id: str, order_id: str) -> None:
-    """Replay the events of an order that arrived too early (a refund before its
-    payment), now that it moved: each in a transaction of its own, oldest first.
-
-    After the event's own commit, and best effort: one that still cannot
-    apply, fails, or a crash before, leaves its exception open for
-    `payhook exceptions replay`.
-    """
-    for row in fetch_all(conn, "parked_exceptions", {"tenant_id": tenant_id, "order_id": order_id}):
-        try:
-            replay = replay_exception(conn, row["id"], tenant_id=tenant_id)
-        except NotReplayable as exc:
-            log.warning("parked_event_not_replayable", exception_id=row["id"], reason=str(exc))
-            continue
-        except psycopg.Error as exc:
-            log.warning("parked_event_replay_failed", exception_id=row["id"], error=str(exc))
-            return
-        log.info(
-            "parked_event_replayed",
-            exception_id=row["id"],
-            replayed_event_id=replay.event_id,
-            outcome=replay.outcome,
-            resolved=replay.resolved,
-        )
 
 
 def _count_retries(runtime: Runtime, retries: int) -> None:

@@ -13,14 +13,23 @@ consumer's lock order:
 A resolved exception is never replayed again, so a second replay changes
 nothing. A dry run takes the same locks and decisions, writes nothing, and
 says what a replay would do.
+
+An event can arrive before the one its order waits for (a refund before its
+payment): it is kept as an `invalid_transition` exception. Whatever moves the
+order afterwards, the consumer's transaction or a replay, learns in the same
+statement that such events wait, and `replay_parked` replays them once it has
+committed.
 """
 
 from __future__ import annotations
 
+from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
 
 import psycopg
+import structlog
+from psycopg import pq
 
 from consumer.rules import Decision, decide
 from consumer.transaction import Endpoint, mark_receipt, order_from_row, write_transition
@@ -28,8 +37,13 @@ from payhook.db import Row, execute, fetch_all, fetch_one
 from payhook.errors import NotFound, PayhookError
 from payhook.gateways import Event
 
+log = structlog.get_logger(__name__)
+
 #: Outcomes after which the event is accounted for and its exception closes.
 RESOLVING_OUTCOMES = frozenset({"applied", "already_applied", "superseded"})
+#: How long the replay of a waiting event may wait for a lock (another replay
+#: of it, a consumer on its order): it is best effort, inside a consumer's job.
+PARKED_LOCK_TIMEOUT = "2s"
 
 
 class NotReplayable(PayhookError):
@@ -67,9 +81,18 @@ def replay_exception(
     *,
     tenant_id: str | None = None,
     dry_run: bool = False,
+    lock_timeout: str | None = None,
+    follow: bool = True,
 ) -> Replay:
-    """Replay one exception's event; see the module docstring. Safe to call repeatedly."""
+    """Replay one exception's event; see the module docstring. Safe to call repeatedly.
+
+    With `follow`, an event it applies is followed by the replay of the events
+    of its order that waited for it (`replay_parked`).
+    """
+    parked_order = None
     with conn.transaction():
+        if lock_timeout is not None:
+            execute(conn, "local_lock_timeout", {"timeout": lock_timeout})
         row = fetch_one(conn, "lock_exception", {"id": exception_id, "tenant_id": tenant_id})
         if row is None:
             raise NotFound(f"no payment exception {exception_id}")
@@ -135,7 +158,9 @@ def replay_exception(
             assert order is not None
             # Marks the receipt too: it cannot have resolved already, or the
             # decision would be `already_applied`.
-            write_transition(conn, endpoint, event, order, decision)
+            moved = write_transition(conn, endpoint, event, order, decision).fetchone()
+            if moved is not None and moved["parked"]:
+                parked_order = order.id
         elif receipt["outcome"] not in RESOLVING_OUTCOMES:
             mark_receipt(conn, key, decision.outcome, order.id if order else None)
         execute(
@@ -143,7 +168,46 @@ def replay_exception(
             "resolve_exception",
             {"tenant_id": tenant, "id": exception_id, "resolution": f"replay:{decision.outcome}"},
         )
+    if follow and parked_order is not None:
+        replay_parked(conn, tenant, parked_order)
     return result
+
+
+def replay_parked(conn: psycopg.Connection[Row], tenant_id: str, order_id: str) -> None:
+    """Replay the events of an order that arrived too early (a refund before its
+    payment), now that it moved: each in a transaction of its own, oldest first,
+    none waiting more than `PARKED_LOCK_TIMEOUT` for a lock.
+
+    After the commit that moved the order, and best effort: nothing raised
+    here reaches the caller, whose event is applied. An event that still
+    cannot apply, a replay that fails or is cut short (a job's timeout), or a
+    crash before, leaves its exception open for `payhook exceptions replay`.
+    """
+    for row in fetch_all(conn, "parked_exceptions", {"tenant_id": tenant_id, "order_id": order_id}):
+        try:
+            replay = replay_exception(
+                conn, row["id"], tenant_id=tenant_id, lock_timeout=PARKED_LOCK_TIMEOUT, follow=False
+            )
+        except NotReplayable as exc:
+            log.warning("parked_event_not_replayable", exception_id=row["id"], reason=str(exc))
+            continue
+        except Exception as exc:
+            log.warning("parked_event_replay_failed", exception_id=row["id"], error=repr(exc))
+            if conn.closed or conn.pgconn.transaction_status != pq.TransactionStatus.IDLE:
+                # Cut short while the server ran a statement: stop it, and
+                # leave the connection to the pool, which drops it.
+                with suppress(psycopg.Error):
+                    conn.cancel_safe(timeout=5)
+                conn.close()
+                return
+            continue
+        log.info(
+            "parked_event_replayed",
+            exception_id=row["id"],
+            replayed_event_id=replay.event_id,
+            outcome=replay.outcome,
+            resolved=replay.resolved,
+        )
 
 
 def resolve_by_hand(

@@ -100,6 +100,7 @@ RETURNING EXISTS (
         SELECT 1 FROM payhook.payment_exceptions
          WHERE tenant_id = %(tenant_id)s AND order_id = %(order_id)s
            AND kind = 'invalid_transition' AND resolved_at IS NULL
+           AND event_id <> %(event_id)s
        ) AS parked
 
 -- insert_outbox --

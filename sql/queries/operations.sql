@@ -76,6 +76,10 @@ SELECT outcome, order_id
  WHERE tenant_id = %(tenant_id)s AND event_id = %(event_id)s
    FOR UPDATE
 
+-- local_lock_timeout --
+-- How long a lock may be waited for, until the transaction ends.
+SELECT set_config('lock_timeout', %(timeout)s, true)
+
 -- resolve_exception --
 -- Close an exception, recording how it was resolved.
 UPDATE payhook.payment_exceptions

@@ -11,7 +11,13 @@ import uuid
 import psycopg
 import pytest
 
-from consumer.replay import NotReplayable, Replay, replay_exception, resolve_by_hand
+from consumer.replay import (
+    NotReplayable,
+    Replay,
+    replay_exception,
+    replay_parked,
+    resolve_by_hand,
+)
 from consumer.transaction import Applied, Endpoint, apply_event
 from payhook.db import Row, connect
 from payhook.gateways import Event, get_gateway
@@ -227,3 +233,54 @@ def test_replay_settles_what_earlier_releases_refused_out_of_order(
     ).fetchone()
     assert order == {"state": "disputed", "refunded_minor": 500}
     assert factory.count("payment_outbox", order_id=order_id, action="notify_refund") == 1
+
+
+def test_a_replay_that_pays_an_order_applies_the_refund_that_waited_for_it(
+    conn: psycopg.Connection[Row], factory: Factory
+) -> None:
+    """The payment came before its order was created, the refund after it:
+    the operator's replay of the payment is enough."""
+    shop, _, exception_id = unmapped(conn, factory)
+    refund = StandardEvent(
+        type="payment.refunded", merchant_reference="order-9", gateway_order_id="pi_9", amount=500
+    )
+    factory.order(shop, "order-9", "pi_9", amount=2500)
+    assert apply(conn, shop, refund).outcome == "invalid_transition"
+
+    replay = replay_exception(conn, exception_id)
+
+    assert (replay.outcome, replay.resolved) == ("applied", True)
+    assert receipt_outcome(factory, shop, refund.event_id) == "applied"
+    assert factory.count("payment_outbox", action="notify_refund") == 1
+    still_open = factory.conn.execute(
+        "SELECT count(*) AS n FROM payhook.payment_exceptions WHERE resolved_at IS NULL"
+    ).fetchone()
+    assert still_open == {"n": 0}
+
+
+def test_the_replay_of_a_waiting_event_gives_up_on_a_held_lock_and_the_event_stays_applied(
+    conn: psycopg.Connection[Row], factory: Factory, settings: Settings
+) -> None:
+    """Best effort, after the payment's commit: a replay that cannot have its
+    lock in time leaves the refund for an operator, and the payment applied."""
+    shop = factory.shop()
+    order_id = factory.order(shop)
+    refund = apply(conn, shop, StandardEvent(type="payment.refunded", amount=500))
+    assert refund.exception_id is not None
+    payment = apply(conn, shop, StandardEvent())
+    assert (payment.outcome, payment.parked) == ("applied", True)
+    with connect(settings, "holder") as holder, holder.transaction():
+        holder.execute(
+            "SELECT 1 FROM payhook.payment_exceptions WHERE id = %s FOR UPDATE",
+            (refund.exception_id,),
+        )
+        started = time.monotonic()
+        replay_parked(conn, shop.tenant_id, order_id)
+        waited = time.monotonic() - started
+    assert waited < 10, "bounded by the replay's lock timeout"
+    assert is_open(factory, refund.exception_id)
+    assert factory.order_state(shop, order_id) == "paid"
+    assert not conn.closed, "a lock timeout leaves the connection usable"
+    replay_parked(conn, shop.tenant_id, order_id)
+    assert not is_open(factory, refund.exception_id)
+    assert factory.order_state(shop, order_id) == "partially_refunded"

@@ -365,14 +365,20 @@ def test_a_refund_before_its_payment_waits_then_applies_once_the_payment_does(
     assert factory.count("payment_order_transitions") == 2
 
 
+#: Refund and payment pairs raced at most; about 3 in 10 refunds lose the race
+#: and are parked. The races go on until 3 have been, and at least 15 ran.
+RACES = 100
+
+
 def test_a_refund_racing_its_payment_is_applied_once_whichever_commits_first(
     runtime: Runtime, factory: Factory
 ) -> None:
     """The refund either sees the payment, or is parked before the payment's
     lock is taken and the payment's consumer finds it: never left behind."""
     shop = factory.shop()
-    parked = 0
-    for i in range(15):
+    parked = races = 0
+    while races < RACES and (parked < 3 or races < 15):
+        i = races = races + 1
         order_id = factory.order(shop, f"race-{i}", f"pi_race_{i}")
         pair = [
             StandardEvent(type="payment.refunded", merchant_reference=f"race-{i}",
@@ -393,12 +399,14 @@ def test_a_refund_racing_its_payment_is_applied_once_whichever_commits_first(
             thread.start()
         for thread in threads:
             thread.join(timeout=30)
+            assert not thread.is_alive()
         assert outcomes["payment.succeeded"] == "applied"
         assert outcomes["payment.refunded"] in ("applied", "invalid_transition")
         assert factory.order_state(shop, order_id) == "partially_refunded", outcomes
         parked += outcomes["payment.refunded"] == "invalid_transition"
-    print(f"{parked} of 15 refunds were parked, then replayed")
-    assert factory.count("payment_outbox", action="notify_refund") == 15
+    print(f"{parked} of {races} refunds were parked, then replayed")
+    assert parked, "the race went one way only: nothing was parked (about 3 in 10 are)"
+    assert factory.count("payment_outbox", action="notify_refund") == races
     assert factory.count("payment_exceptions") == factory.count(
         "payment_exceptions", kind="invalid_transition"
     )
