@@ -39,6 +39,8 @@ def run(settings: Settings, burst: bool = False) -> int:
     configure_logging(settings.log_level)
     # The server ends a statement (a lock wait included) before RQ's job
     # timeout would interrupt it: the job fails cleanly and RQ retries it.
+    # (The replays of waiting events that may follow the event's commit wait
+    # 2 s at most for a lock; an interruption there leaves the event applied.)
     pool = create_pool(
         settings, "consumer", size=2, statement_timeout=settings.job_timeout * STATEMENT_SHARE
     )
