@@ -183,7 +183,15 @@ def replay_parked(conn: psycopg.Connection[Row], tenant_id: str, order_id: str) 
     cannot apply, a replay that fails or is cut short (a job's timeout), or a
     crash before, leaves its exception open for `payhook exceptions replay`.
     """
-    for row in fetch_all(conn, "parked_exceptions", {"tenant_id": tenant_id, "order_id": order_id}):
+    try:
+        waiting = fetch_all(
+            conn, "parked_exceptions", {"tenant_id": tenant_id, "order_id": order_id}
+        )
+    except Exception as exc:
+        log.warning("parked_events_unread", order_id=order_id, error=repr(exc))
+        _drop_if_busy(conn)
+        return
+    for row in waiting:
         try:
             replay = replay_exception(
                 conn, row["id"], tenant_id=tenant_id, lock_timeout=PARKED_LOCK_TIMEOUT, follow=False
@@ -191,16 +199,17 @@ def replay_parked(conn: psycopg.Connection[Row], tenant_id: str, order_id: str) 
         except NotReplayable as exc:
             log.warning("parked_event_not_replayable", exception_id=row["id"], reason=str(exc))
             continue
-        except Exception as exc:
+        except psycopg.Error as exc:
+            # A lock not had in time, say: that transaction is rolled back.
             log.warning("parked_event_replay_failed", exception_id=row["id"], error=repr(exc))
-            if conn.closed or conn.pgconn.transaction_status != pq.TransactionStatus.IDLE:
-                # Cut short while the server ran a statement: stop it, and
-                # leave the connection to the pool, which drops it.
-                with suppress(psycopg.Error):
-                    conn.cancel_safe(timeout=5)
-                conn.close()
+            if _drop_if_busy(conn):
                 return
             continue
+        except Exception as exc:
+            # Interrupted (the job's timeout): no more replays in this job.
+            log.warning("parked_event_replay_interrupted", exception_id=row["id"], error=repr(exc))
+            _drop_if_busy(conn)
+            return
         log.info(
             "parked_event_replayed",
             exception_id=row["id"],
@@ -208,6 +217,19 @@ def replay_parked(conn: psycopg.Connection[Row], tenant_id: str, order_id: str) 
             outcome=replay.outcome,
             resolved=replay.resolved,
         )
+
+
+def _drop_if_busy(conn: psycopg.Connection[Row]) -> bool:
+    """Close a connection left mid-statement, after cancelling the statement on
+    the server; the pool drops it. Whether it was (or is) unusable."""
+    if conn.closed:
+        return True
+    if conn.pgconn.transaction_status == pq.TransactionStatus.IDLE:
+        return False
+    with suppress(psycopg.Error):
+        conn.cancel_safe(timeout=5)
+    conn.close()
+    return True
 
 
 def resolve_by_hand(

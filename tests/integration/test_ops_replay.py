@@ -11,6 +11,7 @@ import uuid
 import psycopg
 import pytest
 
+from consumer import replay as replay_module
 from consumer.replay import (
     NotReplayable,
     Replay,
@@ -274,6 +275,7 @@ def test_the_replay_of_a_waiting_event_gives_up_on_a_held_lock_and_the_event_sta
             "SELECT 1 FROM payhook.payment_exceptions WHERE id = %s FOR UPDATE",
             (refund.exception_id,),
         )
+        conn.execute("SET statement_timeout = '20s'")  # fails, not hangs, without the bound
         started = time.monotonic()
         replay_parked(conn, shop.tenant_id, order_id)
         waited = time.monotonic() - started
@@ -284,3 +286,29 @@ def test_the_replay_of_a_waiting_event_gives_up_on_a_held_lock_and_the_event_sta
     replay_parked(conn, shop.tenant_id, order_id)
     assert not is_open(factory, refund.exception_id)
     assert factory.order_state(shop, order_id) == "partially_refunded"
+
+
+def test_an_interrupted_replay_of_waiting_events_stops_them_and_reaches_no_one(
+    conn: psycopg.Connection[Row], factory: Factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job's timeout (RQ raises it from a signal) during the replays: the
+    event that moved the order is committed, its job must not fail."""
+    shop = factory.shop()
+    order_id = factory.order(shop)
+    for amount in (300, 500):
+        apply(conn, shop, StandardEvent(type="payment.refunded", amount=amount))
+    assert apply(conn, shop, StandardEvent()).parked
+    calls: list[int] = []
+
+    class JobTimeout(Exception):
+        pass
+
+    def interrupted(conn: psycopg.Connection[Row], exception_id: int, **_: object) -> Replay:
+        calls.append(exception_id)
+        raise JobTimeout("the job's timeout")
+
+    monkeypatch.setattr(replay_module, "replay_exception", interrupted)
+    replay_parked(conn, shop.tenant_id, order_id)
+    assert len(calls) == 1, "no more replays after an interruption"
+    assert factory.order_state(shop, order_id) == "paid"
+    assert conn.execute("SELECT 1 AS ok").fetchone() == {"ok": 1}, "the connection still serves"
