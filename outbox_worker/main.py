@@ -75,8 +75,12 @@ def run(settings: Settings, once: bool = False) -> int:
 
     worker = Worker(pool, client, config, listen=None if once else listen)
 
+    stopped_by: list[str] = []
+
     def on_signal(signum: int, frame: FrameType | None) -> None:
-        log.info("outbox_worker_stopping", signal=signal.Signals(signum).name)
+        # No logging here: the signal may land while this thread holds the
+        # log's lock, and a handler that waited for it would wait forever.
+        stopped_by.append(signal.Signals(signum).name)
         worker.stop()
 
     signal.signal(signal.SIGTERM, on_signal)
@@ -96,6 +100,7 @@ def run(settings: Settings, once: bool = False) -> int:
             log.info("outbox_pass_done", claimed=claimed)
         else:
             worker.run()
+            log.info("outbox_worker_stopping", signal=stopped_by[0] if stopped_by else None)
     finally:
         worker.close()
         client.close()

@@ -434,6 +434,10 @@ def create_app(settings: Settings, user: str, password: str) -> Flask:
     return app
 
 
+class _Stop(Exception):
+    """Raised by the dashboard's signal handler to end `serve_forever`."""
+
+
 def run(settings: Settings, host: str | None = None, port: int | None = None) -> int:
     """Serve the dashboard until SIGTERM or SIGINT."""
     configure_logging(settings.log_level)
@@ -451,20 +455,27 @@ def run(settings: Settings, host: str | None = None, port: int | None = None) ->
     logging.getLogger("werkzeug").setLevel(logging.WARNING)
     server = make_server(config.host, config.port, app, threaded=True)
 
+    stopped_by: list[str] = []
+
     def stop(signum: int, frame: FrameType | None) -> None:
-        log.info("dashboard_stopping", signal=signal.Signals(signum).name)
-        threading.Thread(target=server.shutdown, daemon=True).start()
+        # Nothing but raising here: a handler that logged could land while
+        # this thread held the log's lock, and wait for it forever.
+        if not stopped_by:
+            stopped_by.append(signal.Signals(signum).name)
+            raise _Stop
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    log.info(
-        "dashboard_started",
-        url=f"http://{config.host}:{server.server_port}/",
-        user=config.user,
-        queue=settings.queue,
-    )
     try:
+        log.info(
+            "dashboard_started",
+            url=f"http://{config.host}:{server.server_port}/",
+            user=config.user,
+            queue=settings.queue,
+        )
         server.serve_forever(poll_interval=0.2)
+    except _Stop:
+        log.info("dashboard_stopping", signal=stopped_by[0])
     finally:
         server.server_close()
     log.info("dashboard_stopped")

@@ -1,0 +1,95 @@
+"""A stop signal that lands while the process is writing a log line.
+
+The log's lock is not reentrant: a handler that logged would wait for the lock
+its own thread holds, forever. The dashboard's handler only raises, and
+logs once out of the server's loop (the outbox worker's, likewise, only asks
+its loop to stop).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import FrameType
+from typing import Any
+
+import pytest
+import structlog
+
+from payhook import dashboard
+from payhook.settings import Settings
+
+
+class PokingStdout(io.TextIOWrapper):
+    """stdout whose binary side sends this process SIGTERM while it writes a line saying `poke`."""
+
+    def __init__(self) -> None:
+        self.written = PokingBuffer()
+        super().__init__(self.written)
+
+    def isatty(self) -> bool:
+        return False
+
+
+class PokingBuffer(io.BytesIO):
+    def write(self, data: Any) -> int:
+        if b'"poke"' in bytes(data):
+            os.kill(os.getpid(), signal.SIGTERM)
+        return super().write(data)
+
+
+@contextmanager
+def alarm_after(seconds: int) -> Iterator[None]:
+    """Fail, rather than hang, if the block waits for a lock it holds."""
+
+    def expired(signum: int, frame: FrameType | None) -> None:
+        raise TimeoutError("the stop signal's handler waited for the log's lock")
+
+    saved = {s: signal.getsignal(s) for s in (signal.SIGALRM, signal.SIGTERM, signal.SIGINT)}
+    signal.signal(signal.SIGALRM, expired)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+
+
+@pytest.fixture(autouse=True)
+def _restore_structlog() -> Iterator[None]:
+    yield
+    structlog.reset_defaults()  # the dashboard configured logging to the test's stdout
+
+
+class FakeServer:
+    server_port = 9181
+
+    def serve_forever(self, poll_interval: float) -> None:
+        dashboard.log.info("poke")
+        raise AssertionError("the signal did not stop the server")
+
+    def server_close(self) -> None:
+        pass
+
+
+def test_the_dashboard_stops_on_a_signal_that_lands_mid_log_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    stdout = PokingStdout()
+    monkeypatch.setattr(sys, "stdout", stdout)
+    monkeypatch.setattr(dashboard, "make_server", lambda *args, **kwargs: FakeServer())
+    monkeypatch.setenv("PAYHOOK_DASHBOARD_PASSWORD", "pw")
+    settings = Settings.from_env(
+        {"DATABASE_URL": "postgresql://127.0.0.1/x", "REDIS_URL": "redis://127.0.0.1:6379/15",
+         "PAYHOOK_DASHBOARD_PASSWORD": "pw"}
+    )  # fmt: skip
+    with alarm_after(5):
+        assert dashboard.run(settings, host="127.0.0.1", port=9181) == 0
+    lines = stdout.written.getvalue().decode()
+    assert '"dashboard_stopping"' in lines and '"signal":"SIGTERM"' in lines
+    assert '"dashboard_stopped"' in lines
