@@ -114,9 +114,7 @@ def split_code(statement: str) -> tuple[str, str]:
         if char == "$" and not _word_before(statement, i):
             tag = _DOLLAR_QUOTE.match(statement, i)
             if tag is not None:
-                close = statement.find(tag.group(), tag.end())
-                end = n if close < 0 else close + len(tag.group())
-                body = statement[tag.end() : n if close < 0 else close]
+                body, end = _dollar_body(statement, tag)
                 if do_block:  # the block's body, once
                     do_block = False
                     body_code, body_strings = split_code(body)
@@ -172,8 +170,7 @@ def split_statements(text: str) -> list[LiteralString]:
         if char == "$" and not _word_before(text, i):
             tag = _DOLLAR_QUOTE.match(text, i)
             if tag is not None:
-                close = text.find(tag.group(), tag.end())
-                end = n if close < 0 else close + len(tag.group())
+                _, end = _dollar_body(text, tag)
                 current.append(text[i:end])
                 i = end
                 continue
@@ -209,6 +206,15 @@ def _comment_end(text: str, i: int) -> int | None:
         else:
             i += 1
     return i
+
+
+def _dollar_body(text: str, tag: re.Match[str]) -> tuple[str, int]:
+    """The text a dollar quote (`$$` or `$tag$`, matched at `tag`) encloses,
+    and the index just past its closing tag (the end of `text` if none)."""
+    close = text.find(tag.group(), tag.end())
+    if close < 0:
+        return text[tag.end() :], len(text)
+    return text[tag.end() : close], close + len(tag.group())
 
 
 def _quoted_end(text: str, start: int) -> int:

@@ -174,6 +174,14 @@ class Factory:
         assert row is not None
         return str(row["state"])
 
+    def order_totals(self, order_id: str) -> dict[str, Any]:
+        """An order's state and refunded total."""
+        row = self.conn.execute(
+            "SELECT state, refunded_minor FROM payhook.payment_orders WHERE id = %s", (order_id,)
+        ).fetchone()
+        assert row is not None
+        return dict(row)
+
     def outbox_rows(
         self, shop: Shop, order_id: str, count: int = 1, *, name: str = ""
     ) -> list[str]:

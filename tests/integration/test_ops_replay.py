@@ -229,9 +229,7 @@ def test_replay_settles_what_earlier_releases_refused_out_of_order(
     assert not is_open(factory, mismatched.exception_id)
     assert receipt_outcome(factory, shop, refund.event_id) == "applied"
     assert receipt_outcome(factory, shop, failure.event_id) == "superseded"
-    order = factory.conn.execute(
-        "SELECT state, refunded_minor FROM payhook.payment_orders WHERE id = %s", (order_id,)
-    ).fetchone()
+    order = factory.order_totals(order_id)
     assert order == {"state": "disputed", "refunded_minor": 500}
     assert factory.count("payment_outbox", order_id=order_id, action="notify_refund") == 1
 

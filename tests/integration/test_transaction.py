@@ -430,9 +430,7 @@ def test_early_events_that_still_cannot_apply_stay_parked_and_the_rest_apply(
     ]
     assert [apply(runtime, factory, shop, e) for e in events] == ["invalid_transition"] * 3
     assert apply(runtime, factory, shop, StandardEvent()) == "applied"
-    row = factory.conn.execute(
-        "SELECT state, refunded_minor FROM payhook.payment_orders WHERE id = %s", (order_id,)
-    ).fetchone()
+    row = factory.order_totals(order_id)
     assert row == {"state": "disputed", "refunded_minor": 500}
     still = factory.conn.execute(
         "SELECT event_id FROM payhook.payment_exceptions WHERE resolved_at IS NULL"
@@ -464,9 +462,7 @@ def test_events_delivered_out_of_order_are_applied_as_they_happened(
     ]
     outcomes = [deliver(body) for body in sequence]
     assert outcomes == ["applied", "superseded", "applied", "applied", "duplicate"]
-    order = factory.conn.execute(
-        "SELECT state, refunded_minor FROM payhook.payment_orders WHERE id = %s", (order_id,)
-    ).fetchone()
+    order = factory.order_totals(order_id)
     assert order == {"state": "disputed", "refunded_minor": 500}
     outbox = factory.conn.execute(
         "SELECT action, payload FROM payhook.payment_outbox WHERE order_id = %s"
