@@ -6,7 +6,7 @@ consumer's lock order:
     0 lock the exception (two replays of it run one after the other)
     1 lock the event's receipt
     3 lock the mapped order FOR UPDATE
-    4 decide again (consumer.rules.decide) against the order as it is now
+    4 decide again (payhook.decide_v1) against the order as it is now
     5 one forward transition and its audit row, 6 the outbox row
     7 mark the receipt with the new outcome, resolve the exception; commit
 
@@ -136,7 +136,7 @@ def replay_exception(
         decision = (
             Decision("already_applied", detail={"receipt": receipt["outcome"]})
             if receipt["outcome"] in RESOLVING_OUTCOMES
-            else decide(event, orders)
+            else decide(conn, event, orders)
         )
         resolves = decision.outcome in RESOLVING_OUTCOMES
         result = Replay(

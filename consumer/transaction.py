@@ -4,19 +4,21 @@
     2 it existed, live or archived: stop (a different digest is a security
       anomaly); its gateway timestamp is beyond the horizon: refuse it
     3 lock the mapped order FOR UPDATE
-    4 compare identifiers, amount, currency and state   (consumer.rules)
+    4 compare identifiers, amount, currency and state
     5 one forward transition and its audit row
     6 the outbox row
     7 mark the receipt processed with its outcome; commit
 
-Locks are always taken receipt first, then order, so two events never wait
-on each other in opposite orders. Steps 2 and 3 are one statement, and so are
-5 to 7 (`sql/queries/consumer.sql`): a first delivery is BEGIN and three
-statements, in two round trips.
+The steps run on the server, in the function `payhook.apply_event_v1` and
+its rules in `payhook.decide_v1` (`sql/migrations/0009_*.sql`): a job sends
+one statement, which is its own transaction on the consumer's autocommit
+connection, in one round trip, and the order's lock is never held across a
+round trip to the worker. Locks are always taken receipt first, then order,
+so two events never wait on each other in opposite orders.
 
 Retention moves old receipts to an archive in transactions that delete the
-live row and insert the archived one at once. The archive is read by a
-statement after the insert, not inside it: an insert that waited for a
+live row and insert the archived one at once. The function reads the archive
+in a statement after the insert, not inside it: an insert that waited for a
 retention batch to commit runs on a snapshot from before that commit, the
 next statement sees the archived identity.
 """
@@ -35,8 +37,8 @@ import psycopg
 import structlog
 from psycopg.types.json import Jsonb
 
-from consumer.rules import EXCEPTION_OUTCOMES, Decision, Order, decide
-from payhook.db import Row, execute, fetch_one, pipelined_transaction
+from consumer.rules import Decision, Order
+from payhook.db import Row, cancelled_if_interrupted
 from payhook.gateways import Event
 from payhook.horizon import DEFAULT_RECEIPT_RETENTION, beyond_horizon, receipt_horizon
 from payhook.queries import query
@@ -143,108 +145,34 @@ def apply_event(
             f"event {event.event_id!r} ({event.event_type}) has no gateway timestamp: "
             "the retention horizon cannot judge it"
         )
-    key = {"tenant_id": endpoint.tenant_id, "event_id": event.event_id}
     horizon = horizon or receipt_horizon(DEFAULT_RECEIPT_RETENTION)
+    forced_detail = None
     if forced_outcome is None and beyond_horizon(event.occurred_at, horizon):
         forced_outcome = "beyond_horizon"
-    acting = forced_outcome is None and event.kind is not None
-    # Pipeline mode: BEGIN, the receipt insert and the order lock travel in
-    # one round trip; the writes and COMMIT in a second.
-    with pipelined_transaction(conn):
-        receipt = conn.execute(
-            query("insert_receipt"),
-            key
-            | {
-                "event_type": event.event_type,
-                "digest": event.digest,
-                "endpoint_id": endpoint.id,
-                "gateway": endpoint.gateway,
-                "delivery_id": delivery_id,
-                "occurred_at": event.occurred_at,
-            },
-        )
-        # Locked after the receipt, in the same transaction: the lock order
-        # is always receipt, then order. Only this delivery's own receipt
-        # takes the lock; a duplicate locks nothing.
-        mapped = conn.execute(
-            query("lock_mapped_order"),
-            key
-            | {
-                "lock": acting,
-                "merchant_reference": event.merchant_reference,
-                "gateway_order_id": event.gateway_order_id,
-            },
-        )
-        inserted = receipt.fetchone() is not None
-        rows = mapped.fetchall()
-        archived_sha256 = rows[0]["archived_sha256"]
-        if inserted and archived_sha256 is not None:
-            # Archived, perhaps while the insert waited for that batch: the
-            # event was handled long ago. Take the new receipt back.
-            conn.execute(query("delete_receipt"), key)
-            inserted = False
-        if not inserted:
-            stored = archived_sha256 or rows[0]["live_sha256"]
-            assert stored is not None, "the conflicting receipt is committed, live or archived"
-            return _duplicate(conn, endpoint, event, delivery_id, stored)
-
-        if not acting:
-            outcome = forced_outcome or "ignored"
-            exception_id = None
-            if outcome in EXCEPTION_OUTCOMES:
-                detail = (
-                    {"occurred_at": event.occurred_at.isoformat(), "horizon": horizon.isoformat()}
-                    if outcome == "beyond_horizon" and event.occurred_at
-                    else {}
-                )
-                exception_id = record_exception(
-                    conn, endpoint, event, None, Decision(outcome, detail=detail)
-                )
-            mark_receipt(conn, key, outcome, None)
-            return Applied(outcome, exception_id=exception_id)
-
-        orders = [order_from_row(row) for row in rows if row["id"] is not None]
-        decision = decide(event, orders)
-        order_id = orders[0].id if len(orders) == 1 else None
-
-        exception_id = None
-        moved = None
-        if decision.outcome == "applied":
-            assert orders and decision.to_state is not None
-            # Marks the receipt too.
-            moved = write_transition(conn, endpoint, event, orders[0], decision)
-        else:
-            if decision.is_exception:
-                exception_id = record_exception(conn, endpoint, event, order_id, decision)
-            mark_receipt(conn, key, decision.outcome, order_id)
-    # Read once the pipeline has ended and committed.
-    parked = moved is not None and bool((moved.fetchone() or {}).get("parked"))
-    return Applied(decision.outcome, order_id, exception_id, parked=parked)
-
-
-def _duplicate(
-    conn: psycopg.Connection[Row],
-    endpoint: Endpoint,
-    event: Event,
-    delivery_id: str,
-    stored_sha256: str,
-) -> Applied:
-    if stored_sha256 == event.digest:
-        return Applied("duplicate")
-    execute(
-        conn,
-        "insert_anomaly",
-        {
-            "tenant_id": endpoint.tenant_id,
-            "event_id": event.event_id,
-            "endpoint_id": endpoint.id,
-            "delivery_id": delivery_id,
-            "kind": "digest_conflict",
-            "stored_sha256": stored_sha256,
-            "received_sha256": event.digest,
-        },
+        assert event.occurred_at is not None
+        forced_detail = {
+            "occurred_at": event.occurred_at.isoformat(),
+            "horizon": horizon.isoformat(),
+        }
+    params = {
+        "tenant_id": endpoint.tenant_id,
+        "endpoint_id": endpoint.id,
+        "gateway": endpoint.gateway,
+        "delivery_id": delivery_id,
+        "event": Jsonb(event.to_json()),
+        "forced_outcome": forced_outcome,
+        "forced_detail": None if forced_detail is None else Jsonb(forced_detail),
+    }
+    with cancelled_if_interrupted(conn):
+        row = conn.execute(query("apply_event"), params).fetchone()
+    assert row is not None, "apply_event_v1 returns one row"
+    order_id = row["order_id"]
+    return Applied(
+        row["outcome"],
+        None if order_id is None else str(order_id),
+        row["exception_id"],
+        parked=row["parked"],
     )
-    return Applied("digest_conflict")
 
 
 def write_transition(
@@ -300,29 +228,6 @@ def write_transition(
             "payload": Jsonb(payload),
         },
     )
-
-
-def record_exception(
-    conn: psycopg.Connection[Row],
-    endpoint: Endpoint,
-    event: Event,
-    order_id: str | None,
-    decision: Decision,
-) -> int:
-    row = fetch_one(
-        conn,
-        "insert_exception",
-        {
-            "tenant_id": endpoint.tenant_id,
-            "event_id": event.event_id,
-            "order_id": order_id,
-            "kind": decision.outcome,
-            "detail": Jsonb(decision.detail),
-            "event": Jsonb(event.to_json() | {"endpoint_id": endpoint.id}),
-        },
-    )
-    assert row is not None
-    return int(row["id"])
 
 
 def mark_receipt(

@@ -40,14 +40,29 @@ KEEPALIVES: dict[str, int] = {
 }
 
 
-def connection_kwargs(component: str, url: str) -> dict[str, Any]:
-    """Options for every connection a payhook process holds to `url`."""
+#: Server settings of every payhook connection. Its SQL is written for READ
+#: COMMITTED, whatever a database's or role's default: the consumer's
+#: function reads the archive in a statement after its insert, which sees
+#: what that insert waited for only on a snapshot of its own.
+SESSION_SETTINGS = {"default_transaction_isolation": "read committed"}
+
+
+def connection_kwargs(
+    component: str, url: str, settings: Mapping[str, str] | None = None
+) -> dict[str, Any]:
+    """Options for every connection a payhook process holds to `url`, with
+    `SESSION_SETTINGS` and `settings` after any `options` the URL gives."""
     given = conninfo_to_dict(url)
+    options = [str(given["options"])] if given.get("options") else []
+    for name, value in (SESSION_SETTINGS | dict(settings or {})).items():
+        escaped = value.replace("\\", "\\\\").replace(" ", "\\ ")
+        options.append(f"-c {name}={escaped}")
     return {
         "autocommit": True,
         "row_factory": dict_row,
         "application_name": f"{APPLICATION_NAME}-{component}",
         "connect_timeout": CONNECT_TIMEOUT,
+        "options": " ".join(options),
     } | {name: value for name, value in KEEPALIVES.items() if name not in given}
 
 
@@ -64,10 +79,11 @@ def create_pool(
     no idle transaction may last longer: the server ends it.
     """
     size = size or settings.db_pool_size
-    kwargs = connection_kwargs(component, settings.database_url)
+    timeouts = {}
     if statement_timeout is not None:
-        ms = max(1, int(statement_timeout * 1000))
-        kwargs["options"] = f"-c statement_timeout={ms} -c idle_in_transaction_session_timeout={ms}"
+        ms = str(max(1, int(statement_timeout * 1000)))
+        timeouts = {"statement_timeout": ms, "idle_in_transaction_session_timeout": ms}
+    kwargs = connection_kwargs(component, settings.database_url, timeouts)
     return ConnectionPool(
         settings.database_url,
         connection_class=psycopg.Connection[Row],
@@ -143,53 +159,25 @@ def ended_by_server(conn: psycopg.Connection[Any]) -> bool:
 
 
 @contextmanager
-def pipelined_transaction(conn: psycopg.Connection[Row]) -> Iterator[psycopg.Pipeline]:
-    """A transaction whose statements travel in pipeline mode.
-
-    BEGIN goes out with the first statements and COMMIT with the Sync that
-    ends the pipeline, so a transaction that reads once costs two round trips.
-    (`conn.transaction()` inside a pipeline adds a sync of its own, and so
-    would a `pipeline.sync()` before leaving it.) On any error, raised in the
-    block or by a statement whose result arrives with the final Sync, the
-    transaction is rolled back and the error re-raised; a broken connection
-    is left to the pool, which discards it. `conn` must be in autocommit mode.
+def cancelled_if_interrupted(conn: psycopg.Connection[Row]) -> Iterator[None]:
+    """Cancel the statement running on `conn` if the block is interrupted
+    from outside (a job's timeout, a signal) while waiting for it, e.g. on a
+    lock; the connection is then closed (the pool drops it) and the
+    interruption raised. Otherwise the statement would run on, holding its
+    locks, on a connection stuck mid-statement. A statement that committed
+    before the cancel arrived stays committed: a retried job finds its receipt.
     """
     try:
-        with conn.pipeline() as pipeline:
-            conn.execute(query("begin"))
-            try:
-                yield pipeline
-            except BaseException as exc:
-                if not isinstance(exc, psycopg.Error):
-                    # Interrupted from outside (a job timeout, Ctrl-C) while a
-                    # statement may still run, e.g. waiting on a lock: cancel
-                    # it, or leaving the pipeline would wait for it.
-                    with suppress(psycopg.Error):
-                        conn.cancel_safe(timeout=5)
-                raise
-            conn.execute(query("commit"))
+        yield
     except BaseException as exc:
-        if conn.pgconn.transaction_status == pq.TransactionStatus.ACTIVE:
-            # Interrupted while the final Sync waited, e.g. on a lock: the
-            # statement still runs, holding its locks, and the connection is
-            # stuck mid-pipeline. Cancel the statement and close the
-            # connection; the server rolls the transaction back (unless
-            # COMMIT ran before the cancel arrived: a retry is a duplicate).
+        if (
+            not isinstance(exc, psycopg.Error)
+            and not conn.closed
+            and conn.pgconn.transaction_status == pq.TransactionStatus.ACTIVE
+        ):
             with suppress(psycopg.Error):
                 conn.cancel_safe(timeout=5)
             conn.close()
-            # psycopg reports the interrupted exit as an error of its own
-            # ("cannot exit pipeline mode while busy"): raise the interruption.
-            interruption = exc.__context__
-            if isinstance(exc, psycopg.Error) and interruption is not None:
-                if not isinstance(interruption, psycopg.Error):
-                    raise interruption from None
-        else:
-            # A statement failed, or the block did: end the transaction, open
-            # or aborted. (A COMMIT whose reply was lost may have committed;
-            # a retried job then finds its receipt.)
-            with suppress(psycopg.Error):
-                conn.execute(query("rollback"))
         raise
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import psycopg
 import pytest
@@ -60,21 +61,30 @@ def template_db() -> Iterator[str]:
         )
 
 
-@pytest.fixture
-def database(template_db: str) -> Iterator[str]:
-    """A fresh, migrated database of this test's own."""
+@contextmanager
+def created_database(template: str) -> Iterator[str]:
+    """A migrated database copied from `template`, dropped afterwards."""
     name = f"payhook_test_{uuid.uuid4().hex[:12]}"
     with _admin() as conn:
         conn.execute(
             sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
-                sql.Identifier(name), sql.Identifier(template_db)
+                sql.Identifier(name), sql.Identifier(template)
             )
         )
-    yield name
-    with _admin() as conn:
-        conn.execute(
-            sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
-        )
+    try:
+        yield name
+    finally:
+        with _admin() as conn:
+            conn.execute(
+                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+            )
+
+
+@pytest.fixture
+def database(template_db: str) -> Iterator[str]:
+    """A fresh, migrated database of this test's own."""
+    with created_database(template_db) as name:
+        yield name
 
 
 @pytest.fixture

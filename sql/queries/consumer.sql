@@ -5,57 +5,18 @@ SELECT tenant_id, id, gateway, array_remove(secrets, NULL) AS secrets, retired_s
   FROM payhook.webhook_endpoints
  WHERE id = %(endpoint_id)s
 
--- insert_receipt --
--- Step 1: claim the event identity. No row back means it already existed.
-INSERT INTO payhook.payment_event_receipts
-       (tenant_id, event_id, event_type, payload_sha256, endpoint_id, gateway,
-        delivery_id, occurred_at)
-VALUES (%(tenant_id)s, %(event_id)s, %(event_type)s, %(digest)s, %(endpoint_id)s,
-        %(gateway)s, %(delivery_id)s, %(occurred_at)s)
-ON CONFLICT (tenant_id, event_id) DO NOTHING
-RETURNING event_id
+-- apply_event --
+-- Steps 1 to 7 of the consumer's transaction, in one statement: on an
+-- autocommit connection, its own transaction (sql/migrations/0009).
+SELECT outcome, order_id, exception_id, parked
+  FROM payhook.apply_event_v1(%(tenant_id)s, %(endpoint_id)s, %(gateway)s, %(delivery_id)s,
+                              %(event)s, %(forced_outcome)s, %(forced_detail)s)
 
--- lock_mapped_order --
--- Steps 2 and 3 in one statement, run after the receipt insert so that its
--- snapshot sees what the insert waited for: the digest stored for the
--- identity, live or archived (retention moves a receipt in one transaction,
--- so one snapshot sees it in one of the two), and the order either
--- identifier maps to, locked. The order is locked only when %(lock)s and the
--- live receipt is the one this transaction inserted (its xmin is our
--- transaction id; a transaction that inserted nothing has none): a duplicate,
--- a re-run of the same job included, locks nothing, writes nothing, and
--- commits without a WAL flush. One row without an order when none is locked;
--- two rows when the identifiers name different orders.
-SELECT r.live_sha256, r.archived_sha256,
-       o.id, o.merchant_reference, o.gateway_order_id, o.amount_minor, o.currency,
-       o.state, o.refunded_minor
-  FROM (SELECT live.payload_sha256 AS live_sha256,
-               live.xmin = pg_current_xact_id_if_assigned()::xid AS inserted_here,
-               (SELECT encode(payload_sha256, 'hex')
-                  FROM payhook.payment_event_receipts_archive
-                 WHERE tenant_id = %(tenant_id)s AND event_id = %(event_id)s) AS archived_sha256
-          FROM (SELECT 1) AS one
-          LEFT JOIN payhook.payment_event_receipts AS live
-            ON live.tenant_id = %(tenant_id)s AND live.event_id = %(event_id)s
-       ) AS r
-  LEFT JOIN LATERAL (
-        SELECT id, merchant_reference, gateway_order_id, amount_minor, currency, state,
-               refunded_minor
-          FROM payhook.payment_orders
-         WHERE %(lock)s::boolean
-           AND r.inserted_here
-           AND r.archived_sha256 IS NULL
-           AND tenant_id = %(tenant_id)s
-           AND (merchant_reference = %(merchant_reference)s
-                OR gateway_order_id = %(gateway_order_id)s)
-         ORDER BY id
-           FOR UPDATE
-       ) AS o ON true
-
--- delete_receipt --
--- Take back the receipt just inserted for an identity found in the archive.
-DELETE FROM payhook.payment_event_receipts
- WHERE tenant_id = %(tenant_id)s AND event_id = %(event_id)s
+-- decide --
+-- The rules: what an event (Event.to_json()) does to the orders it mapped
+-- to, a JSON array of objects as `lock_order` returns them.
+SELECT outcome, to_state, refunded_minor, detail, action
+  FROM payhook.decide_v1(%(event)s, %(orders)s)
 
 -- lock_order --
 -- The order either identifier maps to, locked; two rows mean the
@@ -109,12 +70,6 @@ RETURNING EXISTS (
 INSERT INTO payhook.payment_outbox (id, tenant_id, order_id, event_id, action, payload)
 VALUES (%(id)s, %(tenant_id)s, %(order_id)s, %(event_id)s, %(action)s, %(payload)s)
 ON CONFLICT (tenant_id, event_id, action) DO NOTHING
-
--- insert_exception --
--- An authentic event that could not be applied, with safe metadata.
-INSERT INTO payhook.payment_exceptions (tenant_id, event_id, order_id, kind, detail, event)
-VALUES (%(tenant_id)s, %(event_id)s, %(order_id)s, %(kind)s, %(detail)s, %(event)s)
-RETURNING id
 
 -- mark_receipt_processed --
 -- Step 7: the receipt's outcome, the order it mapped to, and when.

@@ -1,111 +1,36 @@
-"""`pipelined_transaction`: two round trips, and never a transaction left open;
+"""`cancelled_if_interrupted`: never a statement left running;
 `pooled_connection`: never a connection the server has ended."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import psycopg
 import pytest
-from psycopg import pq
+from psycopg import pq, sql
+from psycopg.rows import dict_row
 
 from ingress.endpoints import PostgresEndpoints
 from payhook.db import (
     Row,
+    cancelled_if_interrupted,
     connect,
     create_pool,
     ended_by_server,
-    pipelined_transaction,
     pooled_connection,
 )
 from payhook.settings import Settings
 from tests.factories import Factory
 from tests.locks import released_after
-
-SCRATCH = "CREATE TEMPORARY TABLE scratch (n int NOT NULL)"
-
-
-@contextmanager
-def protocol_trace(conn: psycopg.Connection[Row]) -> Iterator[list[str]]:
-    """The frontend/backend messages exchanged inside the block, one per line (libpq's trace)."""
-    lines: list[str] = []
-    with tempfile.TemporaryFile() as file:
-        conn.pgconn.trace(file.fileno())
-        conn.pgconn.set_trace_flags(pq.Trace.SUPPRESS_TIMESTAMPS | pq.Trace.REGRESS_MODE)
-        try:
-            yield lines
-        finally:
-            conn.pgconn.untrace()
-            file.seek(0)
-            lines.extend(file.read().decode().splitlines())
+from tests.protocol import protocol_trace
 
 
-def count(conn: psycopg.Connection[Row]) -> int:
-    row = conn.execute("SELECT count(*) AS n FROM scratch").fetchone()
-    assert row is not None
-    return int(row["n"])
-
-
-def test_a_transaction_that_reads_once_syncs_once(conn: psycopg.Connection[Row]) -> None:
-    """BEGIN and the first statements go out together, then the writes with
-    COMMIT and the one Sync: a second Sync would be a third round trip."""
-    conn.execute(SCRATCH)
-    with protocol_trace(conn) as trace, pipelined_transaction(conn):
-        conn.execute("INSERT INTO scratch VALUES (1)")
-        assert conn.execute("SELECT count(*) AS n FROM scratch").fetchone() == {"n": 1}
-        conn.execute("INSERT INTO scratch VALUES (2)")
-    sent = [line.split("\t")[2] for line in trace if line.startswith("F\t")]
-    assert sent.count("Sync") == 1, trace
-    assert 'CommandComplete\t "COMMIT"' in "\n".join(trace)
-    assert count(conn) == 2
-    assert conn.info.transaction_status == pq.TransactionStatus.IDLE
-
-
-def test_a_statement_failing_with_the_final_sync_rolls_everything_back(
-    conn: psycopg.Connection[Row],
-) -> None:
-    """An error whose result arrives with COMMIT's Sync (nothing fetched it
-    before) is raised, and the statements before it do not commit."""
-    conn.execute(SCRATCH)
-    with pytest.raises(psycopg.errors.NotNullViolation), pipelined_transaction(conn):
-        conn.execute("INSERT INTO scratch VALUES (1)")
-        conn.execute("INSERT INTO scratch VALUES (NULL)")
-    assert conn.info.transaction_status == pq.TransactionStatus.IDLE
-    assert count(conn) == 0
-
-
-def test_an_error_raised_in_the_block_rolls_back(conn: psycopg.Connection[Row]) -> None:
-    conn.execute(SCRATCH)
-    with pytest.raises(LookupError), pipelined_transaction(conn):
-        conn.execute("INSERT INTO scratch VALUES (1)")
-        assert conn.execute("SELECT count(*) AS n FROM scratch").fetchone() == {"n": 1}
-        raise LookupError("the caller changed its mind")
-    assert conn.info.transaction_status == pq.TransactionStatus.IDLE
-    assert count(conn) == 0
-
-
-def test_a_failed_read_rolls_back_and_leaves_the_connection_usable(
-    conn: psycopg.Connection[Row],
-) -> None:
-    conn.execute(SCRATCH)
-    with pytest.raises(psycopg.errors.DivisionByZero), pipelined_transaction(conn):
-        conn.execute("INSERT INTO scratch VALUES (1)")
-        conn.execute("SELECT 1 / 0").fetchone()
-    assert conn.info.transaction_status == pq.TransactionStatus.IDLE
-    with pipelined_transaction(conn):
-        conn.execute("INSERT INTO scratch VALUES (2)")
-    assert count(conn) == 1
-
-
-def test_interrupted_while_the_final_sync_waits_on_a_lock_cancels_and_commits_nothing(
+def test_a_statement_interrupted_while_waiting_on_a_lock_is_cancelled_and_commits_nothing(
     conn: psycopg.Connection[Row], settings: Settings
 ) -> None:
-    """A job timeout that fires while COMMIT's batch waits on another
+    """A job timeout that fires while an autocommit statement waits on another
     transaction's row lock must end the wait then, not when the lock is
     released, and leave nothing committed."""
     from rq.timeouts import JobTimeoutException, UnixSignalDeathPenalty
@@ -119,20 +44,31 @@ def test_interrupted_while_the_final_sync_waits_on_a_lock_cancels_and_commits_no
             with (
                 pytest.raises(JobTimeoutException),
                 UnixSignalDeathPenalty(1, JobTimeoutException),
-                pipelined_transaction(conn),
+                cancelled_if_interrupted(conn),
             ):
-                conn.execute("INSERT INTO written VALUES (1)")
-                # Nothing fetches this result: it waits inside the final Sync.
-                conn.execute("UPDATE locked SET seen = seen + 1 WHERE n = 1")
-        assert not released_by_watchdog.is_set(), "the transaction waited for the lock holder"
+                conn.execute(
+                    "WITH w AS (INSERT INTO written VALUES (1))"
+                    " UPDATE locked SET seen = seen + 1 WHERE n = 1"
+                )
+        assert not released_by_watchdog.is_set(), "the statement waited for the lock holder"
         holder.rollback()
-    assert conn.closed, "a connection left mid-pipeline is closed, not reused"
+    assert conn.closed, "a connection left mid-statement is closed, not reused"
     with connect(settings, "check") as check:
         assert check.execute("SELECT count(*) AS n FROM written").fetchone() == {"n": 0}
         # The lock is free at once: the cancelled statement holds nothing.
         check.execute("SET lock_timeout = '5s'")
         assert check.execute("UPDATE locked SET seen = seen WHERE n = 1").rowcount == 1
         assert check.execute("SELECT seen FROM locked").fetchone() == {"seen": 0}
+
+
+def test_a_failed_statement_leaves_the_connection_open_and_usable(
+    conn: psycopg.Connection[Row],
+) -> None:
+    with pytest.raises(psycopg.errors.DivisionByZero), cancelled_if_interrupted(conn):
+        conn.execute("SELECT 1 / 0").fetchone()
+    assert not conn.closed
+    assert conn.info.transaction_status == pq.TransactionStatus.IDLE
+    assert conn.execute("SELECT 1 AS one").fetchone() == {"one": 1}
 
 
 def test_every_connection_finds_a_silently_lost_server_within_about_a_minute(
@@ -178,6 +114,41 @@ def test_every_connection_finds_a_silently_lost_server_within_about_a_minute(
     )
     with connect(own) as tuned:
         assert used(tuned) == wanted | {"keepalives_idle": "5", "tcp_user_timeout": "0"}
+
+
+def test_every_connection_reads_committed_whatever_the_database_default(
+    conn: psycopg.Connection[Row], settings: Settings
+) -> None:
+    """payhook's SQL is written for READ COMMITTED; a database (or role) whose
+    default is another level does not change it. Options the URL gives are kept."""
+    conn.execute(
+        sql.SQL("ALTER DATABASE {} SET default_transaction_isolation = 'serializable'").format(
+            sql.Identifier(conn.info.dbname)
+        )
+    )
+    with psycopg.connect(settings.database_url, row_factory=dict_row) as plain:
+        assert shown(plain, "transaction_isolation") == "serializable", "the test's premise"
+    own = dataclasses.replace(
+        settings, database_url=f"{settings.database_url}?options=-c%20work_mem%3D5MB"
+    )
+    with connect(own) as direct:
+        assert shown(direct, "transaction_isolation") == "read committed"
+        assert shown(direct, "work_mem") == "5MB"
+    pool = create_pool(own, "test", size=1, statement_timeout=1.5)
+    pool.open(wait=True)
+    try:
+        with pool.connection() as pooled:
+            assert shown(pooled, "transaction_isolation") == "read committed"
+            assert shown(pooled, "work_mem") == "5MB"
+            assert shown(pooled, "statement_timeout") == "1500ms"
+    finally:
+        pool.close()
+
+
+def shown(conn: psycopg.Connection[Row], name: str) -> str:
+    row = conn.execute(sql.SQL("SHOW {}").format(sql.Identifier(name))).fetchone()
+    assert row is not None
+    return str(row[name])
 
 
 def test_an_idle_connection_is_checked_without_a_round_trip(

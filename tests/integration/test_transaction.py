@@ -11,17 +11,19 @@ from datetime import UTC, datetime, timedelta
 
 import psycopg
 import pytest
+from psycopg import pq
 
 from consumer.handler import CLOCK_SKEW, Runtime, handle
 from consumer.rules import Decision, Order
-from consumer.transaction import Endpoint, write_transition
+from consumer.transaction import Endpoint, apply_event, write_transition
 from payhook import counters
-from payhook.db import Row, create_pool, execute
+from payhook.db import Row, create_pool
 from payhook.envelope import ENVELOPE_VERSION, NewerEnvelope
 from payhook.gateways import get_gateway
 from payhook.settings import Settings
 from tests.factories import Factory, StandardEvent, envelope, stripe_body, stripe_headers
 from tests.locks import released_after
+from tests.protocol import protocol_trace, sent
 
 
 def apply(runtime: Runtime, factory: Factory, shop, event: StandardEvent) -> str:
@@ -43,6 +45,27 @@ def test_valid_payment_is_applied_once(runtime: Runtime, factory: Factory) -> No
     assert factory.count("payment_event_receipts", outcome="applied") == 1
     assert factory.count("payment_order_transitions", order_id=order_id, to_state="paid") == 1
     assert factory.count("payment_outbox", order_id=order_id, action="fulfil_order") == 1
+
+
+def test_an_event_is_applied_in_one_statement_and_one_round_trip(
+    runtime: Runtime, factory: Factory
+) -> None:
+    """The seven steps run on the server: one Sync from the worker, for a first
+    delivery and for a duplicate alike, and the connection left idle."""
+    shop = factory.shop()
+    factory.order(shop)
+    job = factory.standard_envelope(shop, StandardEvent())
+    event = get_gateway("standard").parse(job.headers, job.body)
+    endpoint = Endpoint(shop.endpoint_id, shop.tenant_id, "standard", (shop.secret,))
+    with runtime.pool.connection() as conn:
+        for expected in ("applied", "duplicate"):
+            with protocol_trace(conn) as trace:
+                result = apply_event(conn, endpoint, event, job.delivery_id)
+            assert result.outcome == expected
+            assert sent(trace).count("Sync") == 1, trace
+            assert sent(trace).count("Execute") == 1, trace
+            assert conn.info.transaction_status == pq.TransactionStatus.IDLE
+    assert factory.count("payment_outbox") == 1
 
 
 def test_a_duplicate_never_locks_the_order(factory: Factory, settings: Settings) -> None:
@@ -99,7 +122,13 @@ def test_a_transition_whose_order_did_not_move_fails_the_transaction(
         "occurred_at": parsed.occurred_at,
     }
     with pytest.raises(psycopg.errors.NotNullViolation), conn.transaction():
-        execute(conn, "insert_receipt", receipt)
+        conn.execute(
+            "INSERT INTO payhook.payment_event_receipts (tenant_id, event_id, event_type,"
+            " payload_sha256, endpoint_id, gateway, delivery_id, occurred_at)"
+            " VALUES (%(tenant_id)s, %(event_id)s, %(event_type)s, %(digest)s,"
+            " %(endpoint_id)s, %(gateway)s, %(delivery_id)s, %(occurred_at)s)",
+            receipt,
+        )
         decision = Decision("applied", to_state="paid", refunded_minor=0, action="fulfil_order")
         write_transition(conn, endpoint, parsed, stale, decision)
     assert factory.order_state(shop, order_id) == "pending"

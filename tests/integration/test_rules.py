@@ -1,11 +1,25 @@
-"""The decision rules of the consumer transaction."""
+"""The decision rules of the consumer transaction (`payhook.decide_v1`)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
+import psycopg
 import pytest
 
 from consumer.rules import Order, decide
+from payhook.db import Row, connect
 from payhook.gateways import Event
+from tests.conftest import created_database, test_settings
+
+Connection = psycopg.Connection[Row]
+
+
+@pytest.fixture(scope="module")
+def conn(template_db: str) -> Iterator[Connection]:
+    """The rules are a pure function: one database serves the whole module."""
+    with created_database(template_db) as name, connect(test_settings(name), "test") as c:
+        yield c
 
 
 def order(state: str = "pending", refunded: int = 0) -> Order:
@@ -52,55 +66,55 @@ def event(kind: str | None = "succeeded", amount: int = 1000, **kw: object) -> E
     ],
 )
 def test_transitions(
-    kind: str, state: str, amount: int, outcome: str, to_state: str | None
+    conn: Connection, kind: str, state: str, amount: int, outcome: str, to_state: str | None
 ) -> None:
-    decision = decide(event(kind, amount), [order(state)])
+    decision = decide(conn, event(kind, amount), [order(state)])
     assert (decision.outcome, decision.to_state) == (outcome, to_state)
 
 
-def test_partial_refunds_add_up_to_refunded() -> None:
-    decision = decide(event("refunded", 600), [order("partially_refunded", refunded=400)])
+def test_partial_refunds_add_up_to_refunded(conn: Connection) -> None:
+    decision = decide(conn, event("refunded", 600), [order("partially_refunded", refunded=400)])
     assert (decision.to_state, decision.refunded_minor, decision.action) == (
         "refunded",
         1000,
         "notify_refund",
     )
-    over = decide(event("refunded", 700), [order("partially_refunded", refunded=400)])
+    over = decide(conn, event("refunded", 700), [order("partially_refunded", refunded=400)])
     assert over.outcome == "amount_mismatch"
 
 
-def test_cumulative_refund_total_is_not_added_twice() -> None:
+def test_cumulative_refund_total_is_not_added_twice(conn: Connection) -> None:
     stripe_total = event("refunded", 400, cumulative=True)
-    assert decide(stripe_total, [order("paid")]).refunded_minor == 400
+    assert decide(conn, stripe_total, [order("paid")]).refunded_minor == 400
     assert (
-        decide(stripe_total, [order("partially_refunded", refunded=400)]).outcome
+        decide(conn, stripe_total, [order("partially_refunded", refunded=400)]).outcome
         == "already_applied"
     )
     assert (
         decide(
-            event("refunded", 1000, cumulative=True), [order("partially_refunded", 400)]
+            conn, event("refunded", 1000, cumulative=True), [order("partially_refunded", 400)]
         ).to_state
         == "refunded"
     )
 
 
-def test_identity_rules() -> None:
-    assert decide(event(), []).outcome == "unmapped_order"
-    assert decide(event(), [order(), order()]).outcome == "identity_mismatch"
-    assert decide(event(merchant_reference="ref-2"), [order()]).outcome == "identity_mismatch"
-    assert decide(event(gateway_order_id="pi_2"), [order()]).outcome == "identity_mismatch"
-    assert decide(event(gateway_order_id="pi_2"), [order("paid")]).outcome == "second_payment"
-    assert decide(event(merchant_reference=None), [order()]).outcome == "applied"
-    assert decide(event(currency="USD"), [order()]).outcome == "currency_mismatch"
+def test_identity_rules(conn: Connection) -> None:
+    assert decide(conn, event(), []).outcome == "unmapped_order"
+    assert decide(conn, event(), [order(), order()]).outcome == "identity_mismatch"
+    assert decide(conn, event(merchant_reference="ref-2"), [order()]).outcome == "identity_mismatch"
+    assert decide(conn, event(gateway_order_id="pi_2"), [order()]).outcome == "identity_mismatch"
+    assert decide(conn, event(gateway_order_id="pi_2"), [order("paid")]).outcome == "second_payment"
+    assert decide(conn, event(merchant_reference=None), [order()]).outcome == "applied"
+    assert decide(conn, event(currency="USD"), [order()]).outcome == "currency_mismatch"
 
 
-def test_paid_asks_for_fulfilment() -> None:
-    decision = decide(event(), [order()])
+def test_paid_asks_for_fulfilment(conn: Connection) -> None:
+    decision = decide(conn, event(), [order()])
     assert decision.action == "fulfil_order" and not decision.is_exception
-    assert decide(event(amount=1), [order()]).is_exception
+    assert decide(conn, event(amount=1), [order()]).is_exception
 
 
-def test_each_applied_kind_asks_for_its_side_effect() -> None:
+def test_each_applied_kind_asks_for_its_side_effect(conn: Connection) -> None:
     cases = [
         (event("succeeded"), order("pending"), "fulfil_order"),
         (event("failed"), order("pending"), "notify_payment_failed"),
@@ -109,25 +123,25 @@ def test_each_applied_kind_asks_for_its_side_effect() -> None:
         (event("disputed"), order("partially_refunded", refunded=400), "notify_dispute"),
     ]
     for sent, current, action in cases:
-        decision = decide(sent, [current])
+        decision = decide(conn, sent, [current])
         assert (decision.outcome, decision.action) == ("applied", action), (sent, current)
-    assert decide(event("failed"), [order("paid")]).action is None
+    assert decide(conn, event("failed"), [order("paid")]).action is None
 
 
-def test_a_refund_delivered_after_the_dispute_still_counts() -> None:
+def test_a_refund_delivered_after_the_dispute_still_counts(conn: Connection) -> None:
     """Refunded before the dispute, delivered after it: the order stays
     disputed and the refund is recorded, once (Stripe's total repeats)."""
     stripe_total = event("refunded", 400, cumulative=True)
-    first = decide(stripe_total, [order("disputed")])
+    first = decide(conn, stripe_total, [order("disputed")])
     assert (first.outcome, first.to_state, first.refunded_minor, first.action) == (
         "applied",
         "disputed",
         400,
         "notify_refund",
     )
-    again = decide(stripe_total, [order("disputed", refunded=400)])
+    again = decide(conn, stripe_total, [order("disputed", refunded=400)])
     assert again.outcome == "already_applied"
-    more = decide(event("refunded", 1000, cumulative=True), [order("disputed", refunded=400)])
+    more = decide(conn, event("refunded", 1000, cumulative=True), [order("disputed", refunded=400)])
     assert (more.to_state, more.refunded_minor) == ("disputed", 1000)
-    standard = decide(event("refunded", 700), [order("disputed", refunded=400)])
+    standard = decide(conn, event("refunded", 700), [order("disputed", refunded=400)])
     assert standard.outcome == "amount_mismatch"
