@@ -24,18 +24,19 @@ committed.
 from __future__ import annotations
 
 from contextlib import suppress
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import psycopg
 import structlog
 from psycopg import pq
+from psycopg.types.json import Jsonb
 
-from consumer.rules import Decision, decide
-from consumer.transaction import Endpoint, mark_receipt, order_from_row, write_transition
+from consumer.rules import Decision, Order, decide
 from payhook.db import Row, execute, fetch_all, fetch_one
 from payhook.errors import NotFound, PayhookError
 from payhook.gateways import Event
+from payhook.queries import query
 
 log = structlog.get_logger(__name__)
 
@@ -106,15 +107,12 @@ def replay_exception(
                 f"exception {exception_id} is an event older than the retention horizon: "
                 "applying it could repeat an effect whose receipt is gone; resolve it by hand"
             )
-        event, endpoint_id = _stored_event(row)
+        event = _stored_event(row)
         if event.kind is None:
             raise NotReplayable(
                 f"exception {exception_id} holds an event payhook cannot read "
                 f"({row['kind']}); it can only be resolved by hand"
             )
-        # The event was authenticated when it was recorded; the transition
-        # needs only its tenant, so a since-rotated or removed endpoint is fine.
-        endpoint = Endpoint(id=endpoint_id, tenant_id=tenant, gateway="", secrets=())
         key = {"tenant_id": tenant, "event_id": event.event_id}
         receipt = fetch_one(conn, "lock_receipt", key)
         if receipt is None:
@@ -158,8 +156,7 @@ def replay_exception(
             assert order is not None
             # Marks the receipt too: it cannot have resolved already, or the
             # decision would be `already_applied`.
-            moved = write_transition(conn, endpoint, event, order, decision).fetchone()
-            if moved is not None and moved["parked"]:
+            if write_transition(conn, tenant, event, order, decision):
                 parked_order = order.id
         elif receipt["outcome"] not in RESOLVING_OUTCOMES:
             mark_receipt(conn, key, decision.outcome, order.id if order else None)
@@ -232,6 +229,49 @@ def _drop_if_busy(conn: psycopg.Connection[Row]) -> bool:
     return True
 
 
+def write_transition(
+    conn: psycopg.Connection[Row], tenant_id: str, event: Event, order: Order, decision: Decision
+) -> bool:
+    """Steps 5 to 7 for an event decided `applied` against `order`, which this
+    transaction holds FOR UPDATE (`payhook.write_transition_v1`, as the
+    consumer's own transaction runs them). If the order did not move, the
+    statement fails and with it the transaction. Whether events of the order
+    wait as exceptions (arrived too early).
+    """
+    assert decision.action is not None, "every forward transition has a side effect"
+    assert decision.refunded_minor is not None, "every forward transition states the refunds"
+    row = conn.execute(
+        query("apply_transition"),
+        {
+            "tenant_id": tenant_id,
+            "event": Jsonb(event.to_json()),
+            "order": Jsonb(asdict(order)),
+            "to_state": decision.to_state,
+            "refunded_minor": decision.refunded_minor,
+            "action": decision.action,
+        },
+    ).fetchone()
+    return bool(row and row["parked"])
+
+
+def mark_receipt(
+    conn: psycopg.Connection[Row], key: dict[str, Any], outcome: str, order_id: str | None
+) -> None:
+    conn.execute(query("mark_receipt_processed"), key | {"outcome": outcome, "order_id": order_id})
+
+
+def order_from_row(row: Row) -> Order:
+    return Order(
+        id=str(row["id"]),
+        merchant_reference=row["merchant_reference"],
+        gateway_order_id=row["gateway_order_id"],
+        amount_minor=row["amount_minor"],
+        currency=row["currency"],
+        state=row["state"],
+        refunded_minor=row["refunded_minor"],
+    )
+
+
 def resolve_by_hand(
     conn: psycopg.Connection[Row], exception_id: int, *, tenant_id: str | None = None
 ) -> bool:
@@ -250,12 +290,12 @@ def resolve_by_hand(
     return True
 
 
-def _stored_event(row: Row) -> tuple[Event, str]:
+def _stored_event(row: Row) -> Event:
+    """The event an exception recorded; the endpoint it came through is not
+    needed: it was authenticated then, and the transition needs its tenant only."""
     data = dict(row["event"])
-    endpoint_id = data.pop("endpoint_id", None)
-    if not isinstance(endpoint_id, str):
-        raise NotReplayable(f"exception {row['id']} does not name the endpoint of its event")
+    data.pop("endpoint_id", None)
     try:
-        return Event.from_json(data), endpoint_id
+        return Event.from_json(data)
     except (TypeError, ValueError) as exc:
         raise NotReplayable(f"exception {row['id']} holds an unreadable event: {exc}") from None

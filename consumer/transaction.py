@@ -28,16 +28,13 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
-import uuid
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
 
 import psycopg
 import structlog
 from psycopg.types.json import Jsonb
 
-from consumer.rules import Decision, Order
 from payhook.db import Row, cancelled_if_interrupted
 from payhook.gateways import Event
 from payhook.horizon import DEFAULT_RECEIPT_RETENTION, beyond_horizon, receipt_horizon
@@ -172,77 +169,4 @@ def apply_event(
         None if order_id is None else str(order_id),
         row["exception_id"],
         parked=row["parked"],
-    )
-
-
-def write_transition(
-    conn: psycopg.Connection[Row],
-    endpoint: Endpoint,
-    event: Event,
-    order: Order,
-    decision: Decision,
-) -> psycopg.Cursor[Row]:
-    """Queue the state change, its audit row, its outbox row and the receipt's
-    outcome, in one statement. If the order did not move (it always does,
-    under the lock the caller holds), the statement fails and with it the
-    transaction. Its cursor reads, once the statement ran, whether events of
-    the order wait as exceptions (`parked`).
-    """
-    assert decision.action is not None, "every forward transition has a side effect"
-    assert decision.refunded_minor is not None, "every forward transition states the refunds"
-    # The amount this transition moved: the payment's, or this refund's. A
-    # refund event carries either that refund or, from Stripe, the charge's
-    # refunded total (`event.cumulative`); `decide` turned both into the
-    # order's new total.
-    amount = (
-        decision.refunded_minor - order.refunded_minor
-        if event.kind == "refunded"
-        else event.amount_minor
-    )
-    payload = {
-        "action": decision.action,
-        "tenant_id": endpoint.tenant_id,
-        "order_id": order.id,
-        "merchant_reference": order.merchant_reference,
-        "event_id": event.event_id,
-        "state": decision.to_state,
-        "amount_minor": amount,
-        "refunded_minor": decision.refunded_minor,
-        "currency": order.currency,
-    }
-    # The order is locked FOR UPDATE by this transaction: its state is the
-    # one `decide` saw, so the move always happens.
-    return conn.execute(
-        query("apply_transition"),
-        {
-            "tenant_id": endpoint.tenant_id,
-            "event_id": event.event_id,
-            "order_id": order.id,
-            "from_state": order.state,
-            "to_state": decision.to_state,
-            "refunded_minor": decision.refunded_minor,
-            "amount_minor": amount,
-            "outcome": decision.outcome,
-            "outbox_id": uuid.uuid4(),
-            "action": decision.action,
-            "payload": Jsonb(payload),
-        },
-    )
-
-
-def mark_receipt(
-    conn: psycopg.Connection[Row], key: dict[str, Any], outcome: str, order_id: str | None
-) -> None:
-    conn.execute(query("mark_receipt_processed"), key | {"outcome": outcome, "order_id": order_id})
-
-
-def order_from_row(row: Row) -> Order:
-    return Order(
-        id=str(row["id"]),
-        merchant_reference=row["merchant_reference"],
-        gateway_order_id=row["gateway_order_id"],
-        amount_minor=row["amount_minor"],
-        currency=row["currency"],
-        state=row["state"],
-        refunded_minor=row["refunded_minor"],
     )

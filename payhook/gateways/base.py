@@ -6,7 +6,7 @@ import hashlib
 import hmac
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from datetime import datetime
 from typing import Any, Protocol
 
@@ -47,7 +47,9 @@ class Event:
     cumulative: bool = False
 
     def to_json(self) -> dict[str, Any]:
-        data = asdict(self)
+        # Field by field: `asdict` deep-copies every value, a tenth of a
+        # consumer job's CPU for fields that are all strings and numbers.
+        data = {field.name: getattr(self, field.name) for field in fields(self)}
         data["occurred_at"] = self.occurred_at.isoformat() if self.occurred_at else None
         return data
 

@@ -4,9 +4,10 @@
 -- order's row lock is held only while the server runs the steps, never
 -- across a round trip to the worker.
 --
---   payhook.decide_v1        the rules: what one event does to the orders
---                            its identifiers mapped to (pure)
---   payhook.apply_event_v1   the seven steps of consumer.transaction
+--   payhook.decide_v1            the rules: what one event does to the orders
+--                                its identifiers mapped to (pure)
+--   payhook.write_transition_v1  steps 5 to 7 for an event decided `applied`
+--   payhook.apply_event_v1       the seven steps of consumer.transaction
 --
 -- Their names carry the version of their contract (arguments and results):
 -- a change that keeps it replaces them in a later migration (CREATE OR
@@ -14,8 +15,10 @@
 -- `_v2` beside them, so that consumers of both releases run during a deploy.
 -- Creating functions takes no lock on any table.
 
-CREATE OR REPLACE FUNCTION payhook.decide_v1(event jsonb, orders jsonb)
-RETURNS TABLE (outcome text, to_state text, refunded_minor bigint, detail jsonb, action text)
+CREATE OR REPLACE FUNCTION payhook.decide_v1(
+    event jsonb, orders jsonb,
+    OUT outcome text, OUT to_state text, OUT refunded_minor bigint, OUT detail jsonb,
+    OUT action text)
 LANGUAGE plpgsql IMMUTABLE AS $$
 -- `event` is consumer's Event.to_json(); `orders` the rows its merchant
 -- reference or gateway order id mapped to, as JSON objects, ordered by id.
@@ -140,7 +143,83 @@ BEGIN
             'expected', o_amount, 'received', amount, 'state', o_state) || detail
         ELSE detail
     END;
-    RETURN NEXT;
+END;
+$$;
+
+CREATE OR REPLACE FUNCTION payhook.write_transition_v1(
+    p_tenant_id uuid,
+    p_event jsonb,
+    p_order jsonb,
+    p_to_state text,
+    p_refunded_minor bigint,
+    p_action text
+)
+RETURNS boolean
+LANGUAGE plpgsql AS $$
+-- Steps 5 to 7 for an event decided `applied` against `p_order` (its row as
+-- the caller locked it FOR UPDATE, as JSON): the one forward transition, its
+-- audit row, its outbox row and the receipt's outcome, in one statement.
+-- The order is locked, so its state is the one decided on and it moves;
+-- were it ever not to, nothing is written and the function raises: the
+-- transaction fails rather than record an effect that did not happen.
+-- Returns whether events of the order wait as `invalid_transition`
+-- exceptions (arrived too early): the lock is held, so any recorded before
+-- this move are seen.
+DECLARE
+    v_event_id text := p_event->>'event_id';
+    -- The amount this transition moved: the payment's, or this refund's (a
+    -- refund event may carry the order's new refunded total instead).
+    v_amount bigint := CASE
+        WHEN p_event->>'kind' = 'refunded'
+            THEN p_refunded_minor - (p_order->>'refunded_minor')::bigint
+        ELSE (p_event->>'amount_minor')::bigint
+    END;
+    v_parked boolean;
+BEGIN
+    WITH moved AS (
+        UPDATE payhook.payment_orders AS o
+           SET state = p_to_state, refunded_minor = p_refunded_minor, updated_at = now()
+         WHERE o.tenant_id = p_tenant_id AND o.id = (p_order->>'id')::uuid
+           AND o.state = p_order->>'state'
+     RETURNING o.tenant_id, o.id, o.merchant_reference, o.currency
+    ), transition AS (
+        INSERT INTO payhook.payment_order_transitions
+               (tenant_id, order_id, event_id, from_state, to_state, amount_minor)
+        SELECT m.tenant_id, m.id, v_event_id, p_order->>'state', p_to_state, v_amount
+          FROM moved AS m
+    ), outbox AS (
+        -- The body the outbox worker sends: safe identifiers only.
+        INSERT INTO payhook.payment_outbox (id, tenant_id, order_id, event_id, action, payload)
+        SELECT gen_random_uuid(), m.tenant_id, m.id, v_event_id, p_action,
+               jsonb_build_object(
+                   'action', p_action,
+                   'tenant_id', m.tenant_id,
+                   'order_id', m.id,
+                   'merchant_reference', m.merchant_reference,
+                   'event_id', v_event_id,
+                   'state', p_to_state,
+                   'amount_minor', v_amount,
+                   'refunded_minor', p_refunded_minor,
+                   'currency', m.currency)
+          FROM moved AS m
+            ON CONFLICT (tenant_id, event_id, action) DO NOTHING
+    )
+    UPDATE payhook.payment_event_receipts AS r
+       SET outcome = 'applied', order_id = m.id, processed_at = now()
+      FROM moved AS m
+     WHERE r.tenant_id = p_tenant_id AND r.event_id = v_event_id
+    RETURNING EXISTS (
+            SELECT 1
+              FROM payhook.payment_exceptions AS x
+             WHERE x.tenant_id = p_tenant_id AND x.order_id = m.id
+               AND x.kind = 'invalid_transition' AND x.resolved_at IS NULL
+               AND x.event_id <> v_event_id)
+      INTO v_parked;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'order % did not move from %: event % is not applied',
+            p_order->>'id', p_order->>'state', v_event_id;
+    END IF;
+    RETURN v_parked;
 END;
 $$;
 
@@ -246,54 +325,20 @@ BEGIN
             v_order_id := (v_order->>'id')::uuid;
         END IF;
         -- 4 compare identifiers, amount, currency and state.
-        SELECT * INTO STRICT v_decision FROM payhook.decide_v1(p_event, v_orders);
+        v_decision := payhook.decide_v1(p_event, v_orders);
         v_outcome := v_decision.outcome;
         v_detail := v_decision.detail;
     END IF;
 
     IF v_outcome = 'applied' THEN
-        -- The amount this transition moved: the payment's, or this refund's
-        -- (a refund event may carry the order's new refunded total).
-        v_amount := CASE
-            WHEN p_event->>'kind' = 'refunded'
-                THEN v_decision.refunded_minor - (v_order->>'refunded_minor')::bigint
-            ELSE (p_event->>'amount_minor')::bigint
-        END;
-        -- 5 one forward transition and its audit row. The order is locked:
-        -- its state is the one decided on, so it moves.
-        UPDATE payhook.payment_orders AS o
-           SET state = v_decision.to_state, refunded_minor = v_decision.refunded_minor,
-               updated_at = now()
-         WHERE o.tenant_id = p_tenant_id AND o.id = v_order_id AND o.state = v_order->>'state';
-        IF NOT FOUND THEN
-            RAISE EXCEPTION 'order % did not move from %', v_order_id, v_order->>'state';
-        END IF;
-        INSERT INTO payhook.payment_order_transitions
-               (tenant_id, order_id, event_id, from_state, to_state, amount_minor)
-        VALUES (p_tenant_id, v_order_id, v_event_id, v_order->>'state', v_decision.to_state,
-                v_amount);
-        -- 6 the outbox row: safe identifiers only.
-        INSERT INTO payhook.payment_outbox (id, tenant_id, order_id, event_id, action, payload)
-        VALUES (gen_random_uuid(), p_tenant_id, v_order_id, v_event_id, v_decision.action,
-                jsonb_build_object(
-                    'action', v_decision.action,
-                    'tenant_id', p_tenant_id,
-                    'order_id', v_order_id,
-                    'merchant_reference', v_order->'merchant_reference',
-                    'event_id', v_event_id,
-                    'state', v_decision.to_state,
-                    'amount_minor', v_amount,
-                    'refunded_minor', v_decision.refunded_minor,
-                    'currency', v_order->'currency'))
-            ON CONFLICT (tenant_id, event_id, action) DO NOTHING;
-        -- Events of the order that arrived too early wait as exceptions: the
-        -- lock is held, so any recorded before this move are seen.
-        parked := EXISTS (
-            SELECT 1
-              FROM payhook.payment_exceptions AS x
-             WHERE x.tenant_id = p_tenant_id AND x.order_id = v_order_id
-               AND x.kind = 'invalid_transition' AND x.resolved_at IS NULL
-               AND x.event_id <> v_event_id);
+        -- 5 to 7: the transition, its outbox row, the receipt's outcome.
+        parked := payhook.write_transition_v1(
+            p_tenant_id, p_event, v_order, v_decision.to_state, v_decision.refunded_minor,
+            v_decision.action);
+        outcome := v_outcome;
+        order_id := v_order_id;
+        RETURN NEXT;
+        RETURN;
     ELSIF v_outcome NOT IN ('ignored', 'already_applied', 'superseded') THEN
         -- Authentic but not applicable: kept with safe metadata.
         INSERT INTO payhook.payment_exceptions (tenant_id, event_id, order_id, kind, detail, event)

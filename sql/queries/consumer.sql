@@ -30,39 +30,11 @@ SELECT id, merchant_reference, gateway_order_id, amount_minor, currency, state,
    FOR UPDATE
 
 -- apply_transition --
--- Steps 5 to 7 in one statement: the one forward transition, its audit row,
--- its outbox row and the receipt's outcome. The caller holds the order
--- FOR UPDATE, so it moves; were it ever not to, the outcome would be NULL,
--- which the receipt's NOT NULL constraint refuses: the transaction fails
--- rather than record an effect that did not happen. Returns whether events
--- of the order wait as `invalid_transition` exceptions (arrived too early):
--- the lock is held, so any recorded before this move are seen.
-WITH moved AS (
-    UPDATE payhook.payment_orders
-       SET state = %(to_state)s, refunded_minor = %(refunded_minor)s, updated_at = now()
-     WHERE tenant_id = %(tenant_id)s AND id = %(order_id)s AND state = %(from_state)s
- RETURNING tenant_id, id
-), transition AS (
-    INSERT INTO payhook.payment_order_transitions
-           (tenant_id, order_id, event_id, from_state, to_state, amount_minor)
-    SELECT tenant_id, id, %(event_id)s, %(from_state)s, %(to_state)s, %(amount_minor)s
-      FROM moved
-), outbox AS (
-    INSERT INTO payhook.payment_outbox (id, tenant_id, order_id, event_id, action, payload)
-    SELECT %(outbox_id)s, tenant_id, id, %(event_id)s, %(action)s, %(payload)s
-      FROM moved
-        ON CONFLICT (tenant_id, event_id, action) DO NOTHING
-)
-UPDATE payhook.payment_event_receipts
-   SET outcome = CASE WHEN EXISTS (SELECT 1 FROM moved) THEN %(outcome)s END,
-       order_id = %(order_id)s, processed_at = now()
- WHERE tenant_id = %(tenant_id)s AND event_id = %(event_id)s
-RETURNING EXISTS (
-        SELECT 1 FROM payhook.payment_exceptions
-         WHERE tenant_id = %(tenant_id)s AND order_id = %(order_id)s
-           AND kind = 'invalid_transition' AND resolved_at IS NULL
-           AND event_id <> %(event_id)s
-       ) AS parked
+-- Steps 5 to 7 for an event decided `applied` against an order this
+-- transaction holds FOR UPDATE (sql/migrations/0009). Returns whether events
+-- of the order wait as `invalid_transition` exceptions (arrived too early).
+SELECT payhook.write_transition_v1(%(tenant_id)s, %(event)s, %(order)s, %(to_state)s,
+                                   %(refunded_minor)s, %(action)s) AS parked
 
 -- insert_outbox --
 -- One outbox row on its own, for seeding the outbox worker's tests and
