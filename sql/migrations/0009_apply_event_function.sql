@@ -253,7 +253,6 @@ DECLARE
     v_decision record;
     v_outcome text;
     v_detail jsonb := coalesce(p_forced_detail, '{}');
-    v_amount bigint;
 BEGIN
     parked := false;
     -- 1 claim the event identity.
