@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import select
 from typing import Any
 
 import psycopg
@@ -167,6 +168,10 @@ def test_a_connection_with_something_unasked_to_read_is_kept_if_alive(
     conn.execute("LISTEN payhook_test")
     with connect(settings) as other:
         other.execute("NOTIFY payhook_test")
+    # The listener's backend sends the notification on its own time.
+    arrived = select.poll()
+    arrived.register(conn.fileno(), select.POLLIN)
+    assert arrived.poll(10_000), "the notification never reached the client"
     with protocol_trace(conn) as trace:
         assert not ended_by_server(conn)
     assert any("Query" in line for line in trace), trace
