@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -27,8 +25,6 @@ from payhook.settings import Settings
 
 log = structlog.get_logger(__name__)
 
-#: Fault point: SIGKILL this process right after the transaction commits.
-FAULT_KILL_AFTER_COMMIT = "consumer_kill_after_commit"
 #: How far the ingress's clock may be from the database's, for secret retirement.
 CLOCK_SKEW = timedelta(seconds=30)
 
@@ -103,9 +99,6 @@ def handle(runtime: Runtime, data: object) -> Applied:
             _count_retries(runtime, exc.attempts)
             raise
         _count_retries(runtime, result.retries)
-        if FAULT_KILL_AFTER_COMMIT in runtime.settings.faults:
-            log.warning("fault_kill_after_commit")
-            os.kill(os.getpid(), signal.SIGKILL)
         if result.parked and result.order_id is not None:
             replay_parked(conn, endpoint.tenant_id, result.order_id)
     return result

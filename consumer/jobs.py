@@ -1,13 +1,26 @@
-"""The RQ job functions a consumer runs. `apply_event` is the only one."""
+"""The RQ job functions a consumer runs. `apply_event` is the only one.
+
+A consumer begins applying a job's event ahead, on its applier thread, as
+RQ dequeues the job (`begin`, called by `PayhookWorker`): the transaction's
+commit then waits on PostgreSQL while RQ's writes recording the job as
+started wait on Redis, at the same time rather than one after the other.
+The job function collects the outcome. Nothing depends on the order of the
+two: an event committed before RQ recorded its job (the worker killed in
+between) is retried from RQ's intermediate list and finds its receipt.
+"""
 
 from __future__ import annotations
 
+import os
+import signal
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import structlog
 from rq import get_current_job
 
 from consumer.handler import Runtime, handle
+from consumer.transaction import Applied
 from payhook.errors import PayhookError, RefusedJob
 
 log = structlog.get_logger(__name__)
@@ -17,13 +30,40 @@ log = structlog.get_logger(__name__)
 #: dead-letter queue without retries.
 REFUSED = frozenset({"signature_invalid", "unknown_endpoint", "malformed_job"})
 
+#: Fault point: SIGKILL this process right after the transaction commits,
+#: once RQ has recorded the job as started.
+FAULT_KILL_AFTER_COMMIT = "consumer_kill_after_commit"
+
 _runtime: Runtime | None = None
+#: One thread applies a process's events, one at a time, in the order begun.
+_applier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="payhook-applier")
+#: The job id and outcome of the event begun ahead, until its job collects it.
+_ahead: tuple[str, Future[Applied]] | None = None
 
 
 def install_runtime(runtime: Runtime | None) -> None:
     """Give the job functions of this process their pool and settings."""
     global _runtime
     _runtime = runtime
+
+
+def begin(job_id: str, envelope: Any) -> None:
+    """Begin applying `envelope`, the argument of the `apply_event` job
+    `job_id`, on the applier thread; its job function collects the outcome.
+
+    A begun event is applied even if its job function never runs (RQ failed
+    to record the job, the worker was stopped): its job, retried, finds the
+    receipt. Beginning another job forgets the outcome of one not collected.
+    """
+    global _ahead
+    _ahead = (job_id, _applier.submit(_apply, _installed(), envelope))
+
+
+def wait_for_ahead() -> None:
+    """Wait until the event begun ahead is applied or has failed, leaving
+    its outcome to its job."""
+    if _ahead is not None:
+        wait([_ahead[1]])
 
 
 def apply_event(envelope: Any) -> dict[str, Any]:
@@ -35,15 +75,42 @@ def apply_event(envelope: Any) -> dict[str, Any]:
     envelope for an operator, where a finished job's would expire with its
     result. Retrying would only record the same anomaly again.
     """
-    if _runtime is None:
-        raise PayhookError("the consumer runtime is not installed in this process")
-    structlog.contextvars.clear_contextvars()
-    result = handle(_runtime, envelope)
-    log.info("event_applied", outcome=result.outcome, retries=result.retries)
-    structlog.contextvars.clear_contextvars()
+    runtime = _installed()
+    job = get_current_job()
+    ahead = _collect(job.id if job is not None else None)
+    # Waiting here, RQ's job timeout can interrupt; the statement on the
+    # applier thread then ends within the pool's statement timeout.
+    result = ahead.result() if ahead is not None else _apply(runtime, envelope)
+    if FAULT_KILL_AFTER_COMMIT in runtime.settings.faults:
+        log.warning("fault_kill_after_commit")
+        os.kill(os.getpid(), signal.SIGKILL)
     if result.outcome in REFUSED:
-        job = get_current_job()
         if job is not None:
             job.retries_left = 0
         raise RefusedJob(f"{result.outcome}: recorded as a security anomaly, nothing applied")
     return {"outcome": result.outcome, "order_id": result.order_id, "retries": result.retries}
+
+
+def _installed() -> Runtime:
+    if _runtime is None:
+        raise PayhookError("the consumer runtime is not installed in this process")
+    return _runtime
+
+
+def _collect(job_id: str | None) -> Future[Applied] | None:
+    """The outcome begun ahead for `job_id`, if it was."""
+    global _ahead
+    ahead, _ahead = _ahead, None
+    if ahead is None or job_id is None or ahead[0] != job_id:
+        return None
+    return ahead[1]
+
+
+def _apply(runtime: Runtime, envelope: Any) -> Applied:
+    structlog.contextvars.clear_contextvars()
+    try:
+        result = handle(runtime, envelope)
+        log.info("event_applied", outcome=result.outcome, retries=result.retries)
+        return result
+    finally:
+        structlog.contextvars.clear_contextvars()

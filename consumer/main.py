@@ -31,6 +31,7 @@ def build_worker(settings: Settings) -> PayhookWorker:
         maintenance_interval=settings.maintenance_interval,
     )
     worker.job_grace = settings.job_grace
+    worker.faults = settings.faults
     return worker
 
 

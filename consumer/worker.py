@@ -10,17 +10,26 @@ a job fails at once, without retries, and its webhooks are never sent.
 
 from __future__ import annotations
 
+import os
+import signal
 from typing import Any
 
+import structlog
 from rq import Queue
 from rq.job import Job
 from rq.worker import SimpleWorker
 
+from consumer import jobs
 from payhook.errors import ForbiddenJob
 from payhook.queue import APPLY_EVENT
 
+log = structlog.get_logger(__name__)
+
 #: The only job functions a consumer will import and call.
 ALLOWED_FUNCTIONS = frozenset({APPLY_EVENT})
+#: Fault point: SIGKILL this process once a job's event is committed, before
+#: RQ records the job as started.
+FAULT_KILL_BEFORE_STARTED = "consumer_kill_before_started"
 
 
 class PayhookJob(Job):
@@ -106,6 +115,8 @@ class PayhookWorker(SimpleWorker):
     job_class = PayhookJob
     queue_class = PayhookQueue
     job_grace = 15
+    #: Test-only fault points (PAYHOOK_FAULTS).
+    faults: frozenset[str] = frozenset()
     #: A signal asked the worker to stop. RQ's loop also ends, quietly, on a
     #: Redis timeout or any error it did not expect: then this stays False.
     stop_requested_by_signal = False
@@ -113,6 +124,30 @@ class PayhookWorker(SimpleWorker):
     def request_stop(self, signum: Any, frame: Any) -> None:
         self.stop_requested_by_signal = True
         super().request_stop(signum, frame)  # type: ignore[no-untyped-call]
+
+    def prepare_job_execution(self, job: Job, remove_from_intermediate_queue: bool = False) -> None:
+        """RQ's writes recording the job as started wait for Redis's fsync:
+        the job's own work, begun first, waits for PostgreSQL's meanwhile."""
+        self.begin_ahead(job)
+        super().prepare_job_execution(job, remove_from_intermediate_queue)
+
+    def begin_ahead(self, job: Job) -> None:
+        """Begin applying the event of an `apply_event` job (`jobs.begin`);
+        any other job is left to RQ, which refuses or fails it."""
+        if job.func_name != APPLY_EVENT:
+            return
+        try:
+            job.func  # noqa: B018 - PayhookJob's checks, before anything runs
+            args, kwargs = job.args, job.kwargs
+        except Exception:  # refused, or unreadable: RQ fails the job as usual
+            return
+        if len(args) != 1 or kwargs:
+            return
+        jobs.begin(job.id, args[0])
+        if FAULT_KILL_BEFORE_STARTED in self.faults:
+            jobs.wait_for_ahead()
+            log.warning("fault_kill_before_started")
+            os.kill(os.getpid(), signal.SIGKILL)
 
     @property
     def dequeue_timeout(self) -> int:

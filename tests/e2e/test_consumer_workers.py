@@ -112,6 +112,52 @@ def test_worker_killed_after_commit_is_retried_without_a_second_effect(
     assert factory.count("payment_outbox", order_id=order_id) == 1
 
 
+@pytest.mark.slow
+def test_worker_killed_before_rq_recorded_the_start_is_retried_without_a_second_effect(
+    settings: Settings, redis_conn: Redis, factory: Factory, tmp_path: Path
+) -> None:
+    """The event commits while RQ records its job as started; the worker is
+    SIGKILLed in between. RQ had registered the execution but not marked the
+    job started, so it drops the expired execution without retrying; the job
+    is still in the queue's intermediate list, which RQ retries a job from
+    once a worker has seen it there for a minute."""
+    shop = factory.shop()
+    order_id = factory.order(shop)
+    env = process_env(settings, **FAST)
+    queue = events_queue(redis_conn, Settings.from_env(env))
+    job_id = enqueue_event(
+        queue, factory.standard_envelope(shop, StandardEvent()), Settings.from_env(env)
+    ).id
+    doomed = start(
+        ["consumer"],
+        env | {"PAYHOOK_FAULTS": "consumer_kill_before_started"},
+        tmp_path / "doomed.log",
+    )
+    assert doomed.wait(timeout=30) == -signal.SIGKILL
+    stop(doomed)
+    assert factory.count("payment_event_receipts", outcome="applied") == 1
+    assert fetch(redis_conn, job_id).get_status() == JobStatus.QUEUED
+    assert job_id in queue.started_job_registry
+    intermediate = queue.intermediate_queue
+    assert intermediate.get_job_ids() == [job_id]
+    # The test dates that first sighting back rather than wait the minute.
+    redis_conn.set(intermediate.get_first_seen_key(job_id), time.time() - 120)
+
+    survivor = start(["consumer"], env, tmp_path / "survivor.log")
+    try:
+        wait_until(
+            lambda: fetch(redis_conn, job_id).get_status() == JobStatus.FINISHED,
+            timeout=45,
+            what="the abandoned job to be retried and finish",
+        )
+    finally:
+        stop(survivor)
+    assert fetch(redis_conn, job_id).return_value()["outcome"] == "duplicate"
+    assert intermediate.get_job_ids() == []
+    assert factory.count("payment_order_transitions", order_id=order_id) == 1
+    assert factory.count("payment_outbox", order_id=order_id) == 1
+
+
 def test_a_finished_job_and_its_result_leave_redis_after_the_result_ttl(
     settings: Settings, redis_conn: Redis, factory: Factory, tmp_path: Path
 ) -> None:

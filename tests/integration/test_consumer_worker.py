@@ -1,0 +1,130 @@
+"""PayhookWorker begins applying an event while RQ records its job as started."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from redis import Redis
+from rq.job import Job, JobStatus
+from rq.serializers import JSONSerializer
+
+from consumer import jobs
+from consumer.handler import Runtime
+from consumer.main import build_worker
+from consumer.worker import PayhookWorker
+from payhook.queue import enqueue_event, events_queue
+from payhook.settings import Settings
+from tests.factories import Factory, StandardEvent
+from tests.processes import wait_until
+
+
+@pytest.fixture
+def installed(runtime: Runtime) -> Iterator[Runtime]:
+    jobs.install_runtime(runtime)
+    yield runtime
+    jobs.install_runtime(None)
+
+
+class Watched(PayhookWorker):
+    """Records what the database holds when RQ starts recording the job."""
+
+    def __init__(self, *args: Any, factory: Factory, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.factory = factory
+        self.applied_before_started: list[bool] = []
+
+    def begin_ahead(self, job: Job) -> None:
+        super().begin_ahead(job)
+        try:
+            wait_until(
+                lambda: self.factory.count("payment_event_receipts", outcome="applied") == 1,
+                timeout=10,
+                what="the event to commit before RQ records its job as started",
+            )
+        except AssertionError:
+            self.applied_before_started.append(False)
+        else:
+            self.applied_before_started.append(True)
+        assert job.get_status(refresh=True) == JobStatus.QUEUED
+
+
+def watched_worker(settings: Settings, factory: Factory) -> Watched:
+    built = build_worker(settings)
+    return Watched(
+        [settings.queue],
+        connection=built.connection,
+        serializer=JSONSerializer,
+        job_class=built.job_class,
+        factory=factory,
+    )
+
+
+def test_the_event_commits_while_rq_records_its_job_as_started(
+    settings: Settings, redis_conn: Redis, factory: Factory, installed: Runtime
+) -> None:
+    shop = factory.shop()
+    order_id = factory.order(shop)
+    queue = events_queue(redis_conn, settings)
+    job = enqueue_event(queue, factory.standard_envelope(shop, StandardEvent()), settings)
+
+    worker = watched_worker(settings, factory)
+    worker.work(burst=True, logging_level="ERROR")
+
+    assert worker.applied_before_started == [True]
+    done = Job.fetch(job.id, connection=redis_conn, serializer=JSONSerializer)
+    assert done.get_status() == JobStatus.FINISHED
+    assert done.return_value() == {"outcome": "applied", "order_id": order_id, "retries": 0}
+    assert factory.count("payment_order_transitions", order_id=order_id) == 1
+    assert factory.count("payment_outbox", order_id=order_id) == 1
+
+
+def test_the_event_is_applied_on_the_applier_thread(
+    settings: Settings, redis_conn: Redis, factory: Factory, installed: Runtime
+) -> None:
+    shop = factory.shop()
+    factory.order(shop)
+    queue = events_queue(redis_conn, settings)
+    enqueue_event(queue, factory.standard_envelope(shop, StandardEvent()), settings)
+    threads = []
+    handle = jobs.handle
+
+    def spy(runtime: Runtime, envelope: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return handle(runtime, envelope)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(jobs, "handle", spy)
+        build_worker(settings).work(burst=True, logging_level="ERROR")
+    assert len(threads) == 1 and threads[0].startswith("payhook-applier")
+
+
+def test_a_job_function_called_without_a_worker_applies_the_event_itself(
+    settings: Settings, factory: Factory, installed: Runtime
+) -> None:
+    shop = factory.shop()
+    order_id = factory.order(shop)
+    envelope = factory.standard_envelope(shop, StandardEvent())
+    assert jobs.apply_event(envelope.to_json())["outcome"] == "applied"
+    assert factory.order_state(shop, order_id) == "paid"
+
+
+def test_an_outcome_begun_for_another_job_is_not_taken(
+    settings: Settings, factory: Factory, installed: Runtime
+) -> None:
+    """A job whose function never ran (RQ could not record it) leaves its
+    outcome behind; the next job applies its own event."""
+    shop = factory.shop()
+    first = factory.order(shop, "order-1", "pi_1")
+    second = factory.order(shop, "order-2", "pi_2")
+    begun = StandardEvent(gateway_order_id="pi_1", merchant_reference="order-1")
+    jobs.begin("another-job", factory.standard_envelope(shop, begun).to_json())
+    jobs.wait_for_ahead()
+    own = StandardEvent(gateway_order_id="pi_2", merchant_reference="order-2")
+    envelope = factory.standard_envelope(shop, own)
+    result = jobs.apply_event(envelope.to_json())
+    assert result["outcome"] == "applied" and result["order_id"] == second
+    assert factory.order_state(shop, first) == "paid"
+    assert factory.order_state(shop, second) == "paid"
