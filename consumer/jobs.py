@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import os
 import signal
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import structlog
@@ -21,6 +22,7 @@ from rq import get_current_job
 
 from consumer.handler import Runtime, handle
 from consumer.transaction import Applied
+from payhook.db import cancel_waiting
 from payhook.errors import PayhookError, RefusedJob
 
 log = structlog.get_logger(__name__)
@@ -39,6 +41,8 @@ _runtime: Runtime | None = None
 _applier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="payhook-applier")
 #: The job id and outcome of the event begun ahead, until its job collects it.
 _ahead: tuple[str, Future[Applied]] | None = None
+#: The applier thread's id, once it has begun an event.
+_applier_thread: int | None = None
 
 
 def install_runtime(runtime: Runtime | None) -> None:
@@ -56,14 +60,13 @@ def begin(job_id: str, envelope: Any) -> None:
     receipt. Beginning another job forgets the outcome of one not collected.
     """
     global _ahead
-    _ahead = (job_id, _applier.submit(_apply, _installed(), envelope))
+    _ahead = (job_id, _applier.submit(_apply_ahead, _installed(), envelope))
 
 
 def wait_for_ahead() -> None:
-    """Wait until the event begun ahead is applied or has failed, leaving
-    its outcome to its job."""
-    if _ahead is not None:
-        wait([_ahead[1]])
+    """Wait until every event begun so far is applied or has failed,
+    leaving outcomes to their jobs."""
+    _applier.submit(lambda: None).result()
 
 
 def apply_event(envelope: Any) -> dict[str, Any]:
@@ -78,9 +81,7 @@ def apply_event(envelope: Any) -> dict[str, Any]:
     runtime = _installed()
     job = get_current_job()
     ahead = _collect(job.id if job is not None else None)
-    # Waiting here, RQ's job timeout can interrupt; the statement on the
-    # applier thread then ends within the pool's statement timeout.
-    result = ahead.result() if ahead is not None else _apply(runtime, envelope)
+    result = _wait(ahead) if ahead is not None else _apply(runtime, envelope)
     if FAULT_KILL_AFTER_COMMIT in runtime.settings.faults:
         log.warning("fault_kill_after_commit")
         os.kill(os.getpid(), signal.SIGKILL)
@@ -104,6 +105,24 @@ def _collect(job_id: str | None) -> Future[Applied] | None:
     if ahead is None or job_id is None or ahead[0] != job_id:
         return None
     return ahead[1]
+
+
+def _wait(ahead: Future[Applied]) -> Applied:
+    """The outcome begun ahead. Interrupted meanwhile (RQ's job timeout, a
+    signal), the statement the applier thread waits for is cancelled, as it
+    would be on this thread: the job leaves no transaction behind."""
+    try:
+        return ahead.result()
+    except BaseException:
+        if not ahead.done() and _applier_thread is not None:
+            cancel_waiting(_applier_thread)
+        raise
+
+
+def _apply_ahead(runtime: Runtime, envelope: Any) -> Applied:
+    global _applier_thread
+    _applier_thread = threading.get_ident()
+    return _apply(runtime, envelope)
 
 
 def _apply(runtime: Runtime, envelope: Any) -> Applied:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import select
+import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, suppress
 from typing import Any
@@ -158,6 +159,10 @@ def ended_by_server(conn: psycopg.Connection[Any]) -> bool:
     return conn.closed
 
 
+#: The connection each thread waits on in `cancelled_if_interrupted`, by thread id.
+_waiting: dict[int, psycopg.Connection[Any]] = {}
+
+
 @contextmanager
 def cancelled_if_interrupted(conn: psycopg.Connection[Row]) -> Iterator[None]:
     """Cancel the statement running on `conn` if the block is interrupted
@@ -166,7 +171,12 @@ def cancelled_if_interrupted(conn: psycopg.Connection[Row]) -> Iterator[None]:
     interruption raised. Otherwise the statement would run on, holding its
     locks, on a connection stuck mid-statement. A statement that committed
     before the cancel arrived stays committed: a retried job finds its receipt.
+
+    Signals interrupt only the main thread: one that waits for this block
+    on another thread cancels the statement with `cancel_waiting`.
     """
+    thread = threading.get_ident()
+    _waiting[thread] = conn
     try:
         yield
     except BaseException as exc:
@@ -179,6 +189,17 @@ def cancelled_if_interrupted(conn: psycopg.Connection[Row]) -> Iterator[None]:
                 conn.cancel_safe(timeout=5)
             conn.close()
         raise
+    finally:
+        del _waiting[thread]
+
+
+def cancel_waiting(thread: int) -> None:
+    """Cancel the statement thread `thread` waits for in `cancelled_if_interrupted`,
+    if any: the thread sees the error and the statement's transaction rolls back."""
+    conn = _waiting.get(thread)
+    if conn is not None:
+        with suppress(psycopg.Error):
+            conn.cancel_safe(timeout=5)
 
 
 def fetch_one(

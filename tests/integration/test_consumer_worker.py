@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Iterator
 from typing import Any
 
+import psycopg
 import pytest
 from redis import Redis
 from rq.job import Job, JobStatus
@@ -18,6 +20,7 @@ from consumer.worker import PayhookWorker
 from payhook.queue import enqueue_event, events_queue
 from payhook.settings import Settings
 from tests.factories import Factory, StandardEvent
+from tests.locks import released_after
 from tests.processes import wait_until
 
 
@@ -128,3 +131,28 @@ def test_an_outcome_begun_for_another_job_is_not_taken(
     assert result["outcome"] == "applied" and result["order_id"] == second
     assert factory.order_state(shop, first) == "paid"
     assert factory.order_state(shop, second) == "paid"
+
+
+def test_a_job_timeout_while_the_applier_waits_on_a_lock_cancels_its_statement(
+    settings: Settings, redis_conn: Redis, factory: Factory, installed: Runtime
+) -> None:
+    """RQ's timeout interrupts the job function, on the main thread, while the
+    applier thread waits on a row lock: the statement is cancelled then, and
+    leaves no transaction behind, as when the job applies its event itself."""
+    shop = factory.shop()
+    order_id = factory.order(shop)
+    short = dataclasses.replace(settings, job_timeout=1, job_retry_intervals=(0,))
+    queue = events_queue(redis_conn, short)
+    job = enqueue_event(queue, factory.standard_envelope(shop, StandardEvent()), short)
+    with psycopg.connect(str(settings.database_url)) as holder:
+        holder.execute("SELECT 1 FROM payhook.payment_orders WHERE id = %s FOR UPDATE", (order_id,))
+        with released_after(holder) as released_by_watchdog:
+            build_worker(short).work(burst=True, logging_level="ERROR")
+            jobs.wait_for_ahead()
+        assert not released_by_watchdog.is_set(), "the statement waited for the lock holder"
+        holder.rollback()
+    failed = Job.fetch(job.id, connection=redis_conn, serializer=JSONSerializer)
+    assert failed.get_status() == JobStatus.FAILED
+    result = failed.latest_result()
+    assert result is not None and "JobTimeoutException" in (result.exc_string or "")
+    assert factory.count("payment_event_receipts") == 0, "the cancelled statement rolled back"
