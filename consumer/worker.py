@@ -105,11 +105,14 @@ class PayhookQueue(Queue):
 
 
 class PayhookWorker(SimpleWorker):
-    """Runs jobs in its own process (no fork per job), so the pool is reused.
+    """Runs jobs in its own process (no fork per job), so the pool is reused,
+    and begins a job's event on the applier thread before RQ records the job
+    as started (`begin_ahead`).
 
     An abandoned job (worker SIGKILLed) is retried once its execution entry
     expires: job timeout + `job_grace` seconds after it started, found by the
-    next maintenance pass of any worker.
+    next maintenance pass of any worker. One killed before RQ marked it
+    started is retried from RQ's intermediate list, a minute later.
     """
 
     job_class = PayhookJob
