@@ -40,6 +40,33 @@ def fetch(redis_conn: Redis, job_id: str) -> Job:
     return Job.fetch(job_id, connection=redis_conn, serializer=JSONSerializer)
 
 
+def killed_by_fault(fault: str, env: dict[str, str], tmp_path: Path) -> None:
+    """Run a consumer with the fault point `fault` until it SIGKILLs itself;
+    then stop its scheduler child too, as when a container is killed (the
+    first retry is immediate, so recovery does not wait for the scheduler's
+    lock to expire)."""
+    doomed = start(["consumer"], env | {"PAYHOOK_FAULTS": fault}, tmp_path / "doomed.log")
+    assert doomed.wait(timeout=30) == -signal.SIGKILL
+    stop(doomed)
+
+
+def retried_by_a_survivor(
+    redis_conn: Redis, job_id: str, env: dict[str, str], tmp_path: Path
+) -> str:
+    """Run a consumer until the abandoned job `job_id` is retried and
+    finishes; the outcome of that run."""
+    survivor = start(["consumer"], env, tmp_path / "survivor.log")
+    try:
+        wait_until(
+            lambda: fetch(redis_conn, job_id).get_status() == JobStatus.FINISHED,
+            timeout=45,
+            what="the abandoned job to be retried and finish",
+        )
+    finally:
+        stop(survivor)
+    return str(fetch(redis_conn, job_id).return_value()["outcome"])
+
+
 @pytest.mark.slow
 def test_twenty_jobs_of_one_event_drained_by_three_workers_apply_once(
     settings: Settings, redis_conn: Redis, factory: Factory, tmp_path: Path
@@ -86,28 +113,11 @@ def test_worker_killed_after_commit_is_retried_without_a_second_effect(
         Settings.from_env(process_env(settings, **FAST)),
     ).id
     env = process_env(settings, **FAST)
-    doomed = start(
-        ["consumer"],
-        env | {"PAYHOOK_FAULTS": "consumer_kill_after_commit"},
-        tmp_path / "doomed.log",
-    )
-    assert doomed.wait(timeout=30) == -signal.SIGKILL
-    # Its scheduler child too, as when a container is killed: the first retry
-    # is immediate, so recovery does not wait for the scheduler lock to expire.
-    stop(doomed)
+    killed_by_fault("consumer_kill_after_commit", env, tmp_path)
     assert factory.count("payment_event_receipts", outcome="applied") == 1
     assert fetch(redis_conn, job_id).get_status() == JobStatus.STARTED
 
-    survivor = start(["consumer"], env, tmp_path / "survivor.log")
-    try:
-        wait_until(
-            lambda: fetch(redis_conn, job_id).get_status() == JobStatus.FINISHED,
-            timeout=45,
-            what="the abandoned job to be retried and finish",
-        )
-    finally:
-        stop(survivor)
-    assert fetch(redis_conn, job_id).return_value()["outcome"] == "duplicate"
+    assert retried_by_a_survivor(redis_conn, job_id, env, tmp_path) == "duplicate"
     assert factory.count("payment_order_transitions", order_id=order_id) == 1
     assert factory.count("payment_outbox", order_id=order_id) == 1
 
@@ -128,13 +138,7 @@ def test_worker_killed_before_rq_recorded_the_start_is_retried_without_a_second_
     job_id = enqueue_event(
         queue, factory.standard_envelope(shop, StandardEvent()), Settings.from_env(env)
     ).id
-    doomed = start(
-        ["consumer"],
-        env | {"PAYHOOK_FAULTS": "consumer_kill_before_started"},
-        tmp_path / "doomed.log",
-    )
-    assert doomed.wait(timeout=30) == -signal.SIGKILL
-    stop(doomed)
+    killed_by_fault("consumer_kill_before_started", env, tmp_path)
     assert factory.count("payment_event_receipts", outcome="applied") == 1
     assert fetch(redis_conn, job_id).get_status() == JobStatus.QUEUED
     assert job_id in queue.started_job_registry
@@ -143,16 +147,7 @@ def test_worker_killed_before_rq_recorded_the_start_is_retried_without_a_second_
     # The test dates that first sighting back rather than wait the minute.
     redis_conn.set(intermediate.get_first_seen_key(job_id), time.time() - 120)
 
-    survivor = start(["consumer"], env, tmp_path / "survivor.log")
-    try:
-        wait_until(
-            lambda: fetch(redis_conn, job_id).get_status() == JobStatus.FINISHED,
-            timeout=45,
-            what="the abandoned job to be retried and finish",
-        )
-    finally:
-        stop(survivor)
-    assert fetch(redis_conn, job_id).return_value()["outcome"] == "duplicate"
+    assert retried_by_a_survivor(redis_conn, job_id, env, tmp_path) == "duplicate"
     assert intermediate.get_job_ids() == []
     assert factory.count("payment_order_transitions", order_id=order_id) == 1
     assert factory.count("payment_outbox", order_id=order_id) == 1
