@@ -294,6 +294,15 @@ CREATE UNIQUE INDEX refund_requests_lower_key ON payhook.refund_requests (tenant
 """
 
 
+def run_check(
+    settings: Settings, capsys: pytest.CaptureFixture[str], rule: str | None = None
+) -> tuple[int, list[str]]:
+    """`payhook uniqueness check [--rule RULE]`: its exit status and the JSON lines it printed."""
+    args = argparse.Namespace(action="check", rule=rule, table=None, columns=None, ignore=None)
+    status = uniqueness.run(args, settings)
+    return status, [line for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+
+
 def test_the_check_skips_rules_that_pending_migrations_create_and_checks_the_rest(
     conn: psycopg.Connection[Row],
     settings: Settings,
@@ -308,11 +317,9 @@ def test_the_check_skips_rules_that_pending_migrations_create_and_checks_the_res
     monkeypatch.setattr(migrations, "migrations_dir", lambda: folder)
     add_exception(conn, "evt_1")
     add_exception(conn, "evt_1")
-    args = argparse.Namespace(action="check", rule=None, table=None, columns=None, ignore=None)
 
-    status = uniqueness.run(args, settings)
+    status, lines = run_check(settings, capsys)
 
-    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     skipped = "created by the migration: the build is the check"
     assert lines[:2] == [
         f'{{"rule": "payment_exceptions_source_key", "skipped": "{skipped}"}}',
@@ -338,11 +345,8 @@ def test_a_pending_rule_named_in_upper_case_is_the_rule(
     monkeypatch.setattr(migrations, "migrations_dir", lambda: folder)
     add_exception(conn, "evt_1")
     add_exception(conn, "evt_1")
-    args = argparse.Namespace(
-        action="check", rule=RULE.upper(), table=None, columns=None, ignore=None
-    )
-    assert uniqueness.run(args, settings) == 1
-    (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    status, (line,) = run_check(settings, capsys, rule=RULE.upper())
+    assert status == 1
     assert json.loads(line)["rule"] == RULE and json.loads(line)["redelivery"] == 1
 
 
