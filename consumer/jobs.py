@@ -82,13 +82,13 @@ def apply_event(envelope: Any) -> dict[str, Any]:
     job = get_current_job()
     ahead = _collect(job.id if job is not None else None)
     result = _wait(ahead) if ahead is not None else _apply(runtime, envelope)
-    if FAULT_KILL_AFTER_COMMIT in runtime.settings.faults:
-        log.warning("fault_kill_after_commit")
-        os.kill(os.getpid(), signal.SIGKILL)
     if result.outcome in REFUSED:
         if job is not None:
             job.retries_left = 0
         raise RefusedJob(f"{result.outcome}: recorded as a security anomaly, nothing applied")
+    if FAULT_KILL_AFTER_COMMIT in runtime.settings.faults:
+        log.warning("fault_kill_after_commit")
+        os.kill(os.getpid(), signal.SIGKILL)
     return {"outcome": result.outcome, "order_id": result.order_id, "retries": result.retries}
 
 
