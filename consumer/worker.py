@@ -28,7 +28,7 @@ log = structlog.get_logger(__name__)
 #: The only job functions a consumer will import and call.
 ALLOWED_FUNCTIONS = frozenset({APPLY_EVENT})
 #: Fault point: SIGKILL this process once a job's event is committed, before
-#: RQ records the job as started.
+#: RQ records anything of the job's start.
 FAULT_KILL_BEFORE_STARTED = "consumer_kill_before_started"
 
 
@@ -111,8 +111,8 @@ class PayhookWorker(SimpleWorker):
 
     An abandoned job (worker SIGKILLed) is retried once its execution entry
     expires: job timeout + `job_grace` seconds after it started, found by the
-    next maintenance pass of any worker. One killed before RQ marked it
-    started is retried from RQ's intermediate list, a minute later.
+    next maintenance pass of any worker. One killed before RQ recorded it
+    as started is retried from RQ's intermediate list, a minute later.
     """
 
     job_class = PayhookJob
@@ -128,11 +128,12 @@ class PayhookWorker(SimpleWorker):
         self.stop_requested_by_signal = True
         super().request_stop(signum, frame)  # type: ignore[no-untyped-call]
 
-    def prepare_job_execution(self, job: Job, remove_from_intermediate_queue: bool = False) -> None:
-        """RQ's writes recording the job as started wait for Redis's fsync:
-        the job's own work, begun first, waits for PostgreSQL's meanwhile."""
+    def execute_job(self, job: Job, queue: Queue) -> None:
+        """RQ's two writes recording the job as started (its execution, then
+        its status) each wait for Redis's fsync: the job's own work, begun
+        before both, waits for PostgreSQL's meanwhile."""
         self.begin_ahead(job)
-        super().prepare_job_execution(job, remove_from_intermediate_queue)
+        super().execute_job(job, queue)
 
     def begin_ahead(self, job: Job) -> None:
         """Begin applying the event of an `apply_event` job (`jobs.begin`);

@@ -127,10 +127,9 @@ def test_worker_killed_before_rq_recorded_the_start_is_retried_without_a_second_
     settings: Settings, redis_conn: Redis, factory: Factory, tmp_path: Path
 ) -> None:
     """The event commits while RQ records its job as started; the worker is
-    SIGKILLed in between. RQ had registered the execution but not marked the
-    job started, so it drops the expired execution without retrying; the job
-    is still in the queue's intermediate list, which RQ retries a job from
-    once a worker has seen it there for a minute."""
+    SIGKILLed before RQ wrote anything of it. The job is still in the queue's
+    intermediate list, which RQ retries a job from once a worker has seen it
+    there, not started, for a minute."""
     shop = factory.shop()
     order_id = factory.order(shop)
     env = process_env(settings, **FAST)
@@ -141,7 +140,7 @@ def test_worker_killed_before_rq_recorded_the_start_is_retried_without_a_second_
     killed_by_fault("consumer_kill_before_started", env, tmp_path)
     assert factory.count("payment_event_receipts", outcome="applied") == 1
     assert fetch(redis_conn, job_id).get_status() == JobStatus.QUEUED
-    assert job_id in queue.started_job_registry
+    assert job_id not in queue.started_job_registry
     intermediate = queue.intermediate_queue
     assert intermediate.get_job_ids() == [job_id]
     # The test dates that first sighting back rather than wait the minute.

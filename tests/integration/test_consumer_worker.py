@@ -11,6 +11,7 @@ import psycopg
 import pytest
 from redis import Redis
 from rq.job import Job, JobStatus
+from rq.registry import StartedJobRegistry
 from rq.serializers import JSONSerializer
 
 from consumer import jobs
@@ -32,7 +33,7 @@ def installed(runtime: Runtime) -> Iterator[Runtime]:
 
 
 class Watched(PayhookWorker):
-    """Records what the database holds when RQ starts recording the job."""
+    """Records what the database holds before RQ records the job as started."""
 
     def __init__(self, *args: Any, factory: Factory, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -52,6 +53,7 @@ class Watched(PayhookWorker):
         else:
             self.applied_before_started.append(True)
         assert job.get_status(refresh=True) == JobStatus.QUEUED
+        assert job.id not in StartedJobRegistry(job.origin, connection=self.connection)
 
 
 def built_as(cls: type[PayhookWorker], settings: Settings, **extra: Any) -> Any:
