@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import json
+import re
 import threading
 from collections import Counter
 from datetime import UTC, datetime, timedelta
@@ -15,7 +16,7 @@ from psycopg import pq
 
 from consumer.handler import CLOCK_SKEW, Runtime, handle
 from consumer.replay import write_transition
-from consumer.rules import Decision, Order
+from consumer.rules import EXCEPTION_OUTCOMES, Decision, Order
 from consumer.transaction import Endpoint, apply_event
 from payhook import counters
 from payhook.db import Row, create_pool
@@ -256,6 +257,40 @@ def test_same_gateway_payment_under_a_new_event_id_is_a_no_op(
     assert apply(runtime, factory, shop, StandardEvent()) == "already_applied"
     assert factory.count("payment_outbox") == 1
     assert factory.count("payment_exceptions") == 0
+
+
+#: Receipt outcomes that change nothing and raise no exception.
+QUIET_OUTCOMES = {"already_applied", "superseded", "ignored"}
+
+
+def test_the_outcomes_that_raise_exceptions_are_the_same_in_sql_and_python(
+    runtime: Runtime, factory: Factory
+) -> None:
+    """`apply_event_v1` decides on the server which outcomes record an
+    exception; `consumer.rules.EXCEPTION_OUTCOMES` says it for replays and
+    the operations commands. Every outcome the receipts' check allows is
+    recorded once here, and raises an exception exactly when Python says so."""
+    row = factory.conn.execute(
+        "SELECT pg_get_constraintdef(oid) AS def FROM pg_constraint"
+        " WHERE conname = 'payment_event_receipts_outcome_check'"
+    ).fetchone()
+    assert row is not None
+    allowed = set(re.findall(r"'([a-z_]+)'::text", row["def"])) - {"processing", "applied"}
+    assert allowed == EXCEPTION_OUTCOMES | QUIET_OUTCOMES
+    shop = factory.shop()
+    factory.order(shop)
+    endpoint = Endpoint(shop.endpoint_id, shop.tenant_id, "standard", (shop.secret,))
+    gateway = get_gateway("standard")
+    with runtime.pool.connection() as conn:
+        for outcome in sorted(allowed):
+            job = factory.standard_envelope(shop, StandardEvent())
+            event = gateway.parse(job.headers, job.body)
+            result = apply_event(conn, endpoint, event, job.delivery_id, forced_outcome=outcome)
+            assert result.outcome == outcome
+            raised = factory.count("payment_exceptions", event_id=event.event_id, kind=outcome)
+            assert raised == (outcome in EXCEPTION_OUTCOMES), outcome
+    assert factory.count("payment_exceptions") == len(EXCEPTION_OUTCOMES)
+    assert factory.count("payment_order_transitions") == 0
 
 
 def test_unknown_event_type_is_recorded_and_ignored(runtime: Runtime, factory: Factory) -> None:
