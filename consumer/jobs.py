@@ -58,9 +58,13 @@ def begin(job_id: str, envelope: Any) -> None:
     A begun event is applied even if its job function never runs (RQ failed
     to record the job, the worker was stopped): its job, retried, finds the
     receipt. Beginning another job forgets the outcome of one not collected.
+    With no runtime installed nothing is begun: the job function fails the job.
     """
     global _ahead
-    _ahead = (job_id, _applier.submit(_apply_ahead, _installed(), envelope))
+    if _runtime is None:
+        _ahead = None
+        return
+    _ahead = (job_id, _applier.submit(_apply_ahead, _runtime, envelope))
 
 
 def wait_for_ahead() -> None:

@@ -137,7 +137,12 @@ class PayhookWorker(SimpleWorker):
 
     def begin_ahead(self, job: Job) -> None:
         """Begin applying the event of an `apply_event` job (`jobs.begin`);
-        any other job is left to RQ, which refuses or fails it."""
+        any other job is left to RQ, which refuses or fails it.
+
+        This runs in RQ's loop, outside the job: an error here would stop the
+        worker. A job that cannot be begun is left to its job function, which
+        applies the event itself or fails the job as RQ records failures.
+        """
         if job.func_name != APPLY_EVENT:
             return
         try:
@@ -147,7 +152,11 @@ class PayhookWorker(SimpleWorker):
             return
         if len(args) != 1 or kwargs:
             return
-        jobs.begin(job.id, args[0])
+        try:
+            jobs.begin(job.id, args[0])
+        except Exception:
+            log.exception("event_not_begun", job_id=job.id)
+            return
         if FAULT_KILL_BEFORE_STARTED in self.faults:
             jobs.wait_for_ahead()
             log.warning("fault_kill_before_started")

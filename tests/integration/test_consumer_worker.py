@@ -117,6 +117,46 @@ def test_a_job_function_called_without_a_worker_applies_the_event_itself(
     assert factory.order_state(shop, order_id) == "paid"
 
 
+def test_a_job_that_cannot_be_begun_ahead_is_applied_by_its_job_function(
+    settings: Settings, redis_conn: Redis, factory: Factory, installed: Runtime
+) -> None:
+    """Beginning runs in RQ's loop, outside the job: a failure there must not
+    stop the worker, and the job still applies its event, once."""
+    shop = factory.shop()
+    order_id = factory.order(shop)
+    queue = events_queue(redis_conn, settings)
+    job = enqueue_event(queue, factory.standard_envelope(shop, StandardEvent()), settings)
+
+    def broken(job_id: str, envelope: Any) -> None:
+        raise RuntimeError("cannot schedule new futures after interpreter shutdown")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(jobs, "begin", broken)
+        build_worker(settings).work(burst=True, logging_level="ERROR")
+
+    done = Job.fetch(job.id, connection=redis_conn, serializer=JSONSerializer)
+    assert done.return_value() == {"outcome": "applied", "order_id": order_id, "retries": 0}
+    assert factory.count("payment_outbox", order_id=order_id) == 1
+
+
+def test_a_worker_with_no_runtime_fails_the_job_and_goes_on(
+    settings: Settings, redis_conn: Redis, factory: Factory
+) -> None:
+    """Nothing is begun, and each job function fails its job (retried once
+    here, then dead-lettered) without stopping the worker."""
+    once = dataclasses.replace(settings, job_retry_intervals=(0,))
+    shop = factory.shop()
+    factory.order(shop)
+    queue = events_queue(redis_conn, once)
+    first = enqueue_event(queue, factory.standard_envelope(shop, StandardEvent()), once)
+    second = enqueue_event(queue, factory.standard_envelope(shop, StandardEvent()), once)
+
+    build_worker(once).work(burst=True, logging_level="ERROR")
+
+    assert set(queue.failed_job_registry.get_job_ids()) == {first.id, second.id}
+    assert factory.count("payment_event_receipts") == 0
+
+
 class NothingAhead(PayhookWorker):
     def begin_ahead(self, job: Job) -> None:
         """Begins nothing: each job function finds what was begun before."""
