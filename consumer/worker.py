@@ -49,6 +49,15 @@ class PayhookJob(Job):
         self.repeats_left = None
         return restored
 
+    def _deserialize_data(self) -> None:
+        """A job whose data cannot be read fails without retries: reading it
+        again will not help, and the dead-letter queue keeps it for an operator."""
+        try:
+            super()._deserialize_data()  # type: ignore[no-untyped-call]
+        except Exception:
+            self.retries_left = 0
+            raise
+
     def send_webhooks(self, status: Any, *, exc_string: str | None = None) -> None:
         """Never: payhook's jobs have no webhooks, and a forged one must not
         make a consumer send requests (or hang on them)."""
@@ -143,9 +152,9 @@ class PayhookWorker(SimpleWorker):
         worker. A job that cannot be begun is left to its job function, which
         applies the event itself or fails the job as RQ records failures.
         """
-        if job.func_name != APPLY_EVENT:
-            return
         try:
+            if job.func_name != APPLY_EVENT:
+                return
             job.func  # noqa: B018 - PayhookJob's checks, before anything runs
             args, kwargs = job.args, job.kwargs
         except Exception:  # refused, or unreadable: RQ fails the job as usual

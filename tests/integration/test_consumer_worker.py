@@ -139,6 +139,28 @@ def test_a_job_that_cannot_be_begun_ahead_is_applied_by_its_job_function(
     assert factory.count("payment_outbox", order_id=order_id) == 1
 
 
+def test_a_job_whose_data_cannot_be_read_fails_and_the_worker_goes_on(
+    settings: Settings, redis_conn: Redis, factory: Factory, installed: Runtime
+) -> None:
+    """Whoever can write to Redis must not stop a consumer with a job it
+    cannot read: the job fails into the dead-letter queue, the next applies."""
+    shop = factory.shop()
+    order_id = factory.order(shop)
+    queue = events_queue(redis_conn, settings)
+    other = StandardEvent(event_id="evt_unreadable")
+    unreadable = enqueue_event(queue, factory.standard_envelope(shop, other), settings)
+    redis_conn.hset(unreadable.key, "data", b"\x00 not a job")
+    job = enqueue_event(queue, factory.standard_envelope(shop, StandardEvent()), settings)
+
+    worker = build_worker(settings)
+    worker.work(burst=True, logging_level="ERROR")
+
+    assert not worker.stop_requested_by_signal
+    assert unreadable.id in queue.failed_job_registry.get_job_ids()
+    done = Job.fetch(job.id, connection=redis_conn, serializer=JSONSerializer)
+    assert done.return_value() == {"outcome": "applied", "order_id": order_id, "retries": 0}
+
+
 def test_a_worker_with_no_runtime_fails_the_job_and_goes_on(
     settings: Settings, redis_conn: Redis, factory: Factory
 ) -> None:
