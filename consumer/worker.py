@@ -4,7 +4,8 @@ The JSON serializer keeps pickle out, but RQ would still import whatever
 function name a job carries; anyone able to write to Redis could run
 `os.system`. `PayhookJob` refuses every function and callback that is not
 allowlisted, and every job carrying what payhook never writes (RQ webhooks:
-HTTP requests to any address, sent outside the job's timeout; repeats); such
+HTTP requests to any address, sent outside the job's timeout; repeats;
+arguments other than one envelope) or whose data cannot be read; such
 a job fails at once, without retries, and its webhooks are never sent.
 """
 
@@ -17,7 +18,7 @@ from typing import Any
 import structlog
 from rq import Queue
 from rq.job import Job
-from rq.worker import SimpleWorker
+from rq.worker import SimpleWorker, WorkerStatus
 
 from consumer import jobs
 from payhook.errors import ForbiddenJob
@@ -27,9 +28,11 @@ log = structlog.get_logger(__name__)
 
 #: The only job functions a consumer will import and call.
 ALLOWED_FUNCTIONS = frozenset({APPLY_EVENT})
-#: Fault point: SIGKILL this process once a job's event is committed, before
-#: RQ records anything of the job's start.
+#: Fault points: SIGKILL this process once a job's event is committed, before
+#: RQ records anything of the job's start, or between its two writes of it
+#: (the execution, then the job's status).
 FAULT_KILL_BEFORE_STARTED = "consumer_kill_before_started"
+FAULT_KILL_BETWEEN_START_WRITES = "consumer_kill_between_start_writes"
 
 
 class PayhookJob(Job):
@@ -75,6 +78,10 @@ class PayhookJob(Job):
         ):
             self.retries_left = 0
             raise ForbiddenJob(f"job {self.id} names {name!r}, which payhook does not run")
+        args, kwargs = self.args, self.kwargs
+        if not isinstance(args, list | tuple) or len(args) != 1 or kwargs:
+            self.retries_left = 0
+            raise ForbiddenJob(f"job {self.id} has arguments payhook never writes")
         return super().func
 
     @property
@@ -120,8 +127,10 @@ class PayhookWorker(SimpleWorker):
 
     An abandoned job (worker SIGKILLed) is retried once its execution entry
     expires: job timeout + `job_grace` seconds after it started, found by the
-    next maintenance pass of any worker. One killed before RQ recorded it
-    as started is retried from RQ's intermediate list, a minute later.
+    next maintenance pass of any worker. One killed before RQ marked it
+    started is retried from RQ's intermediate list: a minute after a
+    maintenance pass first saw it there, and, if RQ had recorded its
+    execution, once that entry has expired (RQ drops it without a retry).
     """
 
     job_class = PayhookJob
@@ -141,8 +150,17 @@ class PayhookWorker(SimpleWorker):
         """RQ's two writes recording the job as started (its execution, then
         its status) each wait for Redis's fsync: the job's own work, begun
         before both, waits for PostgreSQL's meanwhile."""
+        # The job is in hand from here, as RQ's first write will tell Redis:
+        # a stop asked for while it is begun waits for it to finish, instead
+        # of raising StopRequested in the middle of `begin_ahead`.
+        self._state = WorkerStatus.BUSY
         self.begin_ahead(job)
         super().execute_job(job, queue)
+
+    def prepare_job_execution(self, job: Job, remove_from_intermediate_queue: bool = False) -> None:
+        if FAULT_KILL_BETWEEN_START_WRITES in self.faults:
+            self._killed_by_fault(FAULT_KILL_BETWEEN_START_WRITES)
+        super().prepare_job_execution(job, remove_from_intermediate_queue)
 
     def begin_ahead(self, job: Job) -> None:
         """Begin applying the event of an `apply_event` job (`jobs.begin`);
@@ -156,20 +174,21 @@ class PayhookWorker(SimpleWorker):
             if job.func_name != APPLY_EVENT:
                 return
             job.func  # noqa: B018 - PayhookJob's checks, before anything runs
-            args, kwargs = job.args, job.kwargs
         except Exception:  # refused, or unreadable: RQ fails the job as usual
             return
-        if len(args) != 1 or kwargs:
-            return
         try:
-            jobs.begin(job.id, args[0])
+            jobs.begin(job.id, job.args[0])
         except Exception:
             log.exception("event_not_begun", job_id=job.id)
             return
         if FAULT_KILL_BEFORE_STARTED in self.faults:
-            jobs.wait_for_ahead()
-            log.warning("fault_kill_before_started")
-            os.kill(os.getpid(), signal.SIGKILL)
+            self._killed_by_fault(FAULT_KILL_BEFORE_STARTED)
+
+    def _killed_by_fault(self, fault: str) -> None:
+        """Once the event begun is committed (or has failed)."""
+        jobs.wait_for_ahead()
+        log.warning("fault_kill", fault=fault)
+        os.kill(os.getpid(), signal.SIGKILL)
 
     @property
     def dequeue_timeout(self) -> int:

@@ -123,13 +123,24 @@ def test_worker_killed_after_commit_is_retried_without_a_second_effect(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    ("fault", "execution_recorded"),
+    [("consumer_kill_before_started", False), ("consumer_kill_between_start_writes", True)],
+)
 def test_worker_killed_before_rq_recorded_the_start_is_retried_without_a_second_effect(
-    settings: Settings, redis_conn: Redis, factory: Factory, tmp_path: Path
+    settings: Settings,
+    redis_conn: Redis,
+    factory: Factory,
+    tmp_path: Path,
+    fault: str,
+    execution_recorded: bool,
 ) -> None:
-    """The event commits while RQ records its job as started; the worker is
-    SIGKILLed before RQ wrote anything of it. The job is still in the queue's
-    intermediate list, which RQ retries a job from once a worker has seen it
-    there, not started, for a minute."""
+    """The event commits while RQ records its job as started, in two writes
+    (the execution, then the job's status); the worker is SIGKILLed before
+    the first or between them. The job is still in the queue's intermediate
+    list, which RQ retries a job from once a worker has seen it there, not
+    started, for a minute; a recorded execution of a job never marked started
+    RQ drops when it expires, without a retry, and then the list returns it."""
     shop = factory.shop()
     order_id = factory.order(shop)
     env = process_env(settings, **FAST)
@@ -137,10 +148,10 @@ def test_worker_killed_before_rq_recorded_the_start_is_retried_without_a_second_
     job_id = enqueue_event(
         queue, factory.standard_envelope(shop, StandardEvent()), Settings.from_env(env)
     ).id
-    killed_by_fault("consumer_kill_before_started", env, tmp_path)
+    killed_by_fault(fault, env, tmp_path)
     assert factory.count("payment_event_receipts", outcome="applied") == 1
     assert fetch(redis_conn, job_id).get_status() == JobStatus.QUEUED
-    assert job_id not in queue.started_job_registry
+    assert (job_id in queue.started_job_registry) == execution_recorded
     intermediate = queue.intermediate_queue
     assert intermediate.get_job_ids() == [job_id]
     # The test dates that first sighting back rather than wait the minute.

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import signal
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -139,17 +141,28 @@ def test_a_job_that_cannot_be_begun_ahead_is_applied_by_its_job_function(
     assert factory.count("payment_outbox", order_id=order_id) == 1
 
 
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"\x00 not a job",
+        b'["consumer.jobs.apply_event", null, 5, {}]',
+        b'["consumer.jobs.apply_event", null, [{}], {"envelope": {}}]',
+        b'["consumer.jobs.apply_event", null, [{}, {}], {}]',
+    ],
+    ids=["unreadable", "arguments-not-a-list", "keyword-arguments", "two-arguments"],
+)
 def test_a_job_whose_data_cannot_be_read_fails_and_the_worker_goes_on(
-    settings: Settings, redis_conn: Redis, factory: Factory, installed: Runtime
+    settings: Settings, redis_conn: Redis, factory: Factory, installed: Runtime, data: bytes
 ) -> None:
     """Whoever can write to Redis must not stop a consumer with a job it
-    cannot read: the job fails into the dead-letter queue, the next applies."""
+    cannot read, or whose arguments payhook never writes: the job fails into
+    the dead-letter queue at once, and the next job applies."""
     shop = factory.shop()
     order_id = factory.order(shop)
     queue = events_queue(redis_conn, settings)
     other = StandardEvent(event_id="evt_unreadable")
     unreadable = enqueue_event(queue, factory.standard_envelope(shop, other), settings)
-    redis_conn.hset(unreadable.key, "data", b"\x00 not a job")
+    redis_conn.hset(unreadable.key, "data", data)
     job = enqueue_event(queue, factory.standard_envelope(shop, StandardEvent()), settings)
 
     worker = build_worker(settings)
@@ -177,6 +190,39 @@ def test_a_worker_with_no_runtime_fails_the_job_and_goes_on(
 
     assert set(queue.failed_job_registry.get_job_ids()) == {first.id, second.id}
     assert factory.count("payment_event_receipts") == 0
+
+
+class StoppedWhileBeginning(PayhookWorker):
+    def begin_ahead(self, job: Job) -> None:
+        super().begin_ahead(job)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_a_stop_asked_for_while_an_event_is_begun_waits_for_its_job(
+    settings: Settings, redis_conn: Redis, factory: Factory, installed: Runtime
+) -> None:
+    """SIGTERM as the event is begun, before RQ recorded anything of the job:
+    the job finishes, then the worker stops, leaving the next job queued."""
+    shop = factory.shop()
+    order_id = factory.order(shop)
+    queue = events_queue(redis_conn, settings)
+    job = enqueue_event(queue, factory.standard_envelope(shop, StandardEvent()), settings)
+    waiting = enqueue_event(
+        queue, factory.standard_envelope(shop, StandardEvent(event_id="evt_next")), settings
+    )
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        worker = built_as(StoppedWhileBeginning, settings)
+        worker.work(burst=True, logging_level="ERROR")
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+
+    assert worker.stop_requested_by_signal
+    done = Job.fetch(job.id, connection=redis_conn, serializer=JSONSerializer)
+    assert done.return_value() == {"outcome": "applied", "order_id": order_id, "retries": 0}
+    assert queue.get_job_ids() == [waiting.id]
+    assert queue.intermediate_queue.get_job_ids() == []
 
 
 class NothingAhead(PayhookWorker):
