@@ -151,7 +151,7 @@ def test_a_job_that_cannot_be_begun_ahead_is_applied_by_its_job_function(
     ],
     ids=["unreadable", "arguments-not-a-list", "keyword-arguments", "two-arguments"],
 )
-def test_a_job_whose_data_cannot_be_read_fails_and_the_worker_goes_on(
+def test_a_job_unreadable_or_of_another_shape_fails_and_the_worker_goes_on(
     settings: Settings, redis_conn: Redis, factory: Factory, installed: Runtime, data: bytes
 ) -> None:
     """Whoever can write to Redis must not stop a consumer with a job it
