@@ -5,7 +5,8 @@ function name a job carries; anyone able to write to Redis could run
 `os.system`. `PayhookJob` refuses every function and callback that is not
 allowlisted, and every job carrying what payhook never writes (RQ webhooks:
 HTTP requests to any address, sent outside the job's timeout; repeats;
-arguments other than one envelope) or whose data cannot be read; such
+arguments other than one envelope; a timeout beyond a day) or whose data
+cannot be read; such
 a job fails at once, without retries, and its webhooks are never sent.
 """
 
@@ -23,6 +24,7 @@ from rq.worker import SimpleWorker, WorkerStatus
 from consumer import jobs
 from payhook.errors import ForbiddenJob
 from payhook.queue import APPLY_EVENT
+from payhook.settings import MAX_JOB_TIMEOUT
 
 log = structlog.get_logger(__name__)
 
@@ -47,6 +49,9 @@ class PayhookJob(Job):
             for name, value in (("webhooks", self.webhooks), ("repeats", self.repeats_left))
             if value
         ]
+        if self.timeout is not None and not 0 < self.timeout <= MAX_JOB_TIMEOUT:
+            carried.append(f"a timeout of {self.timeout} s")
+            self.timeout = None
         self._refused = ", ".join(carried) or None
         self.webhooks = []
         self.repeats_left = None

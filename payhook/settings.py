@@ -75,6 +75,12 @@ def _seconds(value: float) -> str:
     return f"{value * 1000:g}ms" if value < 1 else describe(value)
 
 
+#: The longest job timeout, in seconds (a day). A consumer refuses a job
+#: carrying a longer one, which payhook never writes: a forged timeout could
+#: otherwise make RQ's bookkeeping fail outside the job and stop the worker.
+MAX_JOB_TIMEOUT = 86_400
+
+
 @dataclass(frozen=True)
 class Settings:
     """Everything a payhook process reads from its environment."""
@@ -88,7 +94,7 @@ class Settings:
     log_level: str = "INFO"
     #: Connections per process in the PostgreSQL pool.
     db_pool_size: int = 4
-    #: Seconds a consumer job may run before RQ kills it.
+    #: Seconds a consumer job may run before RQ kills it (at most MAX_JOB_TIMEOUT).
     job_timeout: int = 30
     #: Seconds, added to the job timeout, before an abandoned job is retried.
     job_grace: int = 15
@@ -152,6 +158,11 @@ class Settings:
         for attr, name in ints.items():
             if name in environ:
                 values[attr] = positive_int(name, environ[name])
+        if values.get("job_timeout", 0) > MAX_JOB_TIMEOUT:
+            raise SettingsError(
+                f"PAYHOOK_JOB_TIMEOUT: expected at most {MAX_JOB_TIMEOUT} seconds, "
+                f"got {values['job_timeout']}"
+            )
         for attr, (name, minimum) in DURATIONS.items():
             if name in environ:
                 values[attr] = parse_duration(name, environ[name])

@@ -142,17 +142,31 @@ def test_a_job_that_cannot_be_begun_ahead_is_applied_by_its_job_function(
 
 
 @pytest.mark.parametrize(
-    "data",
+    ("field", "value"),
     [
-        b"\x00 not a job",
-        b'["consumer.jobs.apply_event", null, 5, {}]',
-        b'["consumer.jobs.apply_event", null, [{}], {"envelope": {}}]',
-        b'["consumer.jobs.apply_event", null, [{}, {}], {}]',
+        ("data", b"\x00 not a job"),
+        ("data", b'["consumer.jobs.apply_event", null, 5, {}]'),
+        ("data", b'["consumer.jobs.apply_event", null, [{}], {"envelope": {}}]'),
+        ("data", b'["consumer.jobs.apply_event", null, [{}, {}], {}]'),
+        ("timeout", b"100000000000000000"),
+        ("timeout", b"-1"),
     ],
-    ids=["unreadable", "arguments-not-a-list", "keyword-arguments", "two-arguments"],
+    ids=[
+        "unreadable",
+        "arguments-not-a-list",
+        "keyword-arguments",
+        "two-arguments",
+        "timeout-redis-cannot-expire",
+        "no-timeout",
+    ],
 )
 def test_a_job_unreadable_or_of_another_shape_fails_and_the_worker_goes_on(
-    settings: Settings, redis_conn: Redis, factory: Factory, installed: Runtime, data: bytes
+    settings: Settings,
+    redis_conn: Redis,
+    factory: Factory,
+    installed: Runtime,
+    field: str,
+    value: bytes,
 ) -> None:
     """Whoever can write to Redis must not stop a consumer with a job it
     cannot read, or whose arguments payhook never writes: the job fails into
@@ -162,7 +176,7 @@ def test_a_job_unreadable_or_of_another_shape_fails_and_the_worker_goes_on(
     queue = events_queue(redis_conn, settings)
     other = StandardEvent(event_id="evt_unreadable")
     unreadable = enqueue_event(queue, factory.standard_envelope(shop, other), settings)
-    redis_conn.hset(unreadable.key, "data", data)
+    redis_conn.hset(unreadable.key, field, value)
     job = enqueue_event(queue, factory.standard_envelope(shop, StandardEvent()), settings)
 
     worker = build_worker(settings)

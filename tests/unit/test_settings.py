@@ -9,7 +9,7 @@ import pytest
 from payhook.alerts import AlertConfig
 from payhook.errors import SettingsError
 from payhook.horizon import receipt_horizon
-from payhook.settings import DURATIONS, MAX_DURATION, Settings, parse_duration
+from payhook.settings import DURATIONS, MAX_DURATION, MAX_JOB_TIMEOUT, Settings, parse_duration
 
 RETENTIONS = (
     "PAYHOOK_RECEIPT_RETENTION",
@@ -55,3 +55,11 @@ def test_a_command_line_duration_is_bounded_too() -> None:
     with pytest.raises(SettingsError, match=r"^--since: expected at most 36500d"):
         parse_duration("--since", "100000d")
     assert parse_duration("--since", "36500d") == MAX_DURATION
+
+
+def test_the_job_timeout_is_at_most_a_day_as_consumers_accept() -> None:
+    assert Settings.from_env({"PAYHOOK_JOB_TIMEOUT": str(MAX_JOB_TIMEOUT)}).job_timeout == 86_400
+    with pytest.raises(
+        SettingsError, match=r"^PAYHOOK_JOB_TIMEOUT: expected at most 86400 seconds, got 86401$"
+    ):
+        Settings.from_env({"PAYHOOK_JOB_TIMEOUT": "86401"})
