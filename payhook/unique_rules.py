@@ -19,6 +19,7 @@ from payhook.errors import PayhookError
 from payhook.sqltext import (
     IDENTIFIER,
     QUALIFIED,
+    UnreadableName,
     default_name,
     identifier,
     name_parts,
@@ -41,9 +42,11 @@ _UNIQUE_INDEX = re.compile(
     re.IGNORECASE | re.DOTALL,
 )
 _INDEX_NAME = re.compile(rf"\b{_INDEX_NAME_PART}", re.IGNORECASE)
-#: An ALTER TABLE, inside a DO block too, up to the end of its actions.
+#: An ALTER TABLE, inside a DO block too, up to the end of its actions (a `;`
+#: in a quoted name, or a UESCAPE's, is not one).
 _ALTER_TABLE = re.compile(
-    rf"\bALTER\s+TABLE\s+(?:IF\s+EXISTS\s+)?(?:ONLY\s+)?(?P<table>{QUALIFIED})(?P<actions>[^;]*)",
+    rf"\bALTER\s+TABLE\s+(?:IF\s+EXISTS\s+)?(?:ONLY\s+)?(?P<table>{QUALIFIED})"
+    r"""(?P<actions>(?:"(?:[^"]|"")*"|'[^']*'|[^;"'])*)""",
     re.IGNORECASE,
 )
 #: One action of an ALTER TABLE that adds a unique or primary key constraint.
@@ -67,7 +70,11 @@ _QUOTED_NAME = re.compile(r'"(?:[^"]|"")*"')
 _COLUMN = re.compile(
     rf"^({IDENTIFIER})(?:\s+(?:ASC|DESC))?(?:\s+NULLS\s+(?:FIRST|LAST))?$", re.IGNORECASE
 )
-_WHERE = re.compile(r"\bWHERE\b(?P<predicate>.*)$", re.IGNORECASE | re.DOTALL)
+#: The WHERE of a partial index: the first outside quoted names and strings.
+_WHERE = re.compile(
+    r"""^(?P<head>(?:"(?:[^"]|"")*"|'(?:[^']|'')*'|[^"'])*?)\bWHERE\b(?P<predicate>.*)$""",
+    re.IGNORECASE | re.DOTALL,
+)
 
 
 class RuleError(PayhookError):
@@ -125,31 +132,43 @@ def all_rules_in(text: str) -> list[UniqueRule | UncheckableRule]:
     """
     rules: list[UniqueRule | UncheckableRule] = []
     for statement in split_statements(text):
-        # Comments and strings apart: a rule in a string is at most a warning.
-        code, strings = split_code(statement)
-        if _CREATE_UNIQUE.search(code):
-            try:
-                rules.append(_index_rule(statement))
-            except RuleError as exc:
-                named = _INDEX_NAME.search(code)
-                name = (
-                    identifier(named["name"])
-                    if named and named["name"]
-                    else " ".join(statement.split())
-                )
-                rules.append(UncheckableRule(name, str(exc)))
-        for alter in _ALTER_TABLE.finditer(code):
-            rules += _table_rules(alter, statement)
-        mention = _MENTION.search(strings)
-        if mention is not None:
-            written = " ".join(strings[mention.start() :].split())[:120]
+        try:
+            rules += _statement_rules(statement)
+        except UnreadableName as exc:  # PostgreSQL refuses the whole statement
             rules.append(
-                UncheckableRule(
-                    written,
-                    "a unique rule written in a string: if the migration runs it (EXECUTE, "
-                    "a function) it cannot be checked, and the build is the check",
-                )
+                UncheckableRule(" ".join(statement.split()), f"{exc}; the build is the check")
             )
+    return rules
+
+
+def _statement_rules(statement: str) -> list[UniqueRule | UncheckableRule]:
+    """The rules of one statement (`UnreadableName`: one of its names PostgreSQL refuses)."""
+    rules: list[UniqueRule | UncheckableRule] = []
+    # Comments and strings apart: a rule in a string is at most a warning.
+    code, strings = split_code(statement)
+    if _CREATE_UNIQUE.search(code):
+        try:
+            rules.append(_index_rule(statement))
+        except RuleError as exc:
+            named = _INDEX_NAME.search(code)
+            name = (
+                identifier(named["name"])
+                if named and named["name"]
+                else " ".join(statement.split())
+            )
+            rules.append(UncheckableRule(name, str(exc)))
+    for alter in _ALTER_TABLE.finditer(code):
+        rules += _table_rules(alter, statement)
+    mention = _MENTION.search(strings)
+    if mention is not None:
+        written = " ".join(strings[mention.start() :].split())[:120]
+        rules.append(
+            UncheckableRule(
+                written,
+                "a unique rule written in a string: if the migration runs it (EXECUTE, "
+                "a function) it cannot be checked, and the build is the check",
+            )
+        )
     return rules
 
 
@@ -208,8 +227,9 @@ def _index_rule(statement: str) -> UniqueRule:
             "on plain columns can be checked; the index build is the check)"
         )
     rest = match["rest"]
-    where = _WHERE.search(rest)
-    included = _INCLUDE.search(rest[: where.start()] if where else rest)
+    where = _WHERE.match(rest)
+    head = where["head"] if where else rest
+    included = _INCLUDE.search(head)
     table = qualified(match["table"])
     columns = _columns(match["columns"], statement)
     return UniqueRule(
@@ -223,7 +243,10 @@ def _index_rule(statement: str) -> UniqueRule:
         table=table,
         columns=columns,
         predicate=where["predicate"].strip() if where else None,
-        nulls_distinct=re.search(r"\bNULLS\s+NOT\s+DISTINCT\b", rest, re.IGNORECASE) is None,
+        nulls_distinct=re.search(
+            r"\bNULLS\s+NOT\s+DISTINCT\b", _QUOTED_NAME.sub('""', head), re.IGNORECASE
+        )
+        is None,
     )
 
 

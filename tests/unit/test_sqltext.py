@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from payhook.sqltext import identifier, qualified, split_code, split_statements
+from payhook.sqltext import identifier, qualified, quoted, split_code, split_statements
 from payhook.unique_rules import UncheckableRule, UniqueRule, all_rules_in, rules_in
 
 
@@ -177,3 +177,98 @@ def test_unique_in_a_string_or_a_quoted_name_is_no_rule() -> None:
     ALTER TABLE payhook.x RENAME CONSTRAINT a TO "unique";
     """
     assert all_rules_in(text) == []
+
+
+def test_a_do_block_whose_body_is_a_quoted_string_is_read_as_a_dollar_quoted_one() -> None:
+    """`''` (and in an E'' body `\\'`) quotes a string inside it; a LANGUAGE's
+    name, quoted too, is not the body."""
+    for text in (
+        "DO 'BEGIN ALTER TABLE payhook.x ADD CONSTRAINT x_key UNIQUE (tenant_id, c);"
+        " RAISE NOTICE ''CREATE UNIQUE INDEX no ON t (a); it''''s''; END';",
+        "DO LANGUAGE 'plpgsql' E'BEGIN ALTER TABLE payhook.x ADD CONSTRAINT x_key UNIQUE"
+        " (tenant_id, c);\\n RAISE NOTICE \\'CREATE UNIQUE INDEX no ON t (a); it''''s\\'; END';",
+    ):
+        (statement,) = split_statements(text)
+        code, strings = split_code(statement)
+        assert "ADD CONSTRAINT x_key" in code and "x_key" not in strings
+        assert strings.splitlines()[-1] == "CREATE UNIQUE INDEX no ON t (a); it''s"
+        rule, mention = all_rules_in(text)
+        assert rule == UniqueRule("x_key", "payhook.x", ("tenant_id", "c"))
+        assert isinstance(mention, UncheckableRule)
+        assert "written in a string" in mention.reason
+
+
+def test_unicode_escaped_names_are_decoded_as_postgresql_decodes_them() -> None:
+    assert identifier('U&"d\\0061t\\+000061"') == "data"
+    assert identifier("u&\"d!0061t!+000061!!\" UESCAPE '!'") == "data!"
+    assert identifier('U&"\\D83D\\DE00 ""q"" \\\\"') == '\U0001f600 "q" \\'
+    assert identifier('U&"' + "\\00e9" * 40 + '"') == "\u00e9" * 31, "cut after decoding"
+    assert qualified('U&"P\\0061y" . u&"T"') == '"Pay"."T"'
+
+
+def test_a_unicode_escaped_name_neither_splits_a_statement_nor_is_misread() -> None:
+    text = """ALTER TABLE U&"t\\0061;" ADD CONSTRAINT U&"k!0065y" UESCAPE '!' UNIQUE (a);
+CREATE UNIQUE INDEX U&"i;;" UESCAPE ';' ON payhook.U&"t\\0061;" (U&"\\0061", b);
+ALTER TABLE payhook.t ADD CONSTRAINT U&"k;;" UESCAPE ';' UNIQUE (U&"b;0061" UESCAPE ';');
+"""
+    assert len(split_statements(text)) == 3
+    assert all_rules_in(text) == [
+        UniqueRule("key", '"ta;"', ("a",)),
+        UniqueRule("i;", 'payhook."ta;"', ("a", "b")),
+        UniqueRule("k;", "payhook.t", ("ba",)),
+    ]
+
+
+def test_a_unicode_escaped_name_postgresql_would_refuse_is_listed_as_unchecked() -> None:
+    """An escape it rejects, or an escape character it does not take: no name
+    is guessed for it."""
+    for name in (
+        'U&"\\00"',
+        'U&"\\0000"',
+        'U&"\\D83Dx"',
+        'U&"\\+110000"',
+        "U&\"a!0061\" UESCAPE 'a'",
+        "U&\"!0061\" UESCAPE E'!'",
+        "U&\"!0061\" UESCAPE '!!'",
+    ):
+        for text in (
+            f"CREATE UNIQUE INDEX {name} ON payhook.t (a);",
+            f"ALTER TABLE payhook.t ADD CONSTRAINT {name} UNIQUE (a);",
+            f"ALTER TABLE {name} ADD UNIQUE (a);",
+        ):
+            (rule,) = all_rules_in(text)
+            assert isinstance(rule, UncheckableRule), text
+
+
+def test_where_in_a_quoted_name_or_a_string_does_not_start_or_change_a_predicate() -> None:
+    text = """
+    CREATE UNIQUE INDEX k ON t (a) INCLUDE ("where", "nulls not distinct") WHERE b IS NULL;
+    CREATE UNIQUE INDEX ON t (a) INCLUDE ("where");
+    CREATE UNIQUE INDEX m ON t (a) WHERE note <> 'nulls not distinct';
+    """
+    assert all_rules_in(text) == [
+        UniqueRule("k", "t", ("a",), predicate="b IS NULL"),
+        UniqueRule("t_a_where_idx", "t", ("a",)),
+        UniqueRule("m", "t", ("a",), predicate="note <> 'nulls not distinct'"),
+    ]
+
+
+def test_a_semicolon_in_a_quoted_constraint_name_does_not_hide_its_rule() -> None:
+    (rule,) = all_rules_in('ALTER TABLE t ADD CONSTRAINT "a;b" UNIQUE (x);')
+    assert rule == UniqueRule("a;b", "t", ("x",))
+
+
+def test_a_rule_s_name_is_the_one_postgresql_keeps_and_reads_back_from_its_quoted_form() -> None:
+    """Cut to 63 bytes, whole characters only, as PostgreSQL cuts it: the name
+    `--rule` is matched with, however long the migration wrote it."""
+    e = "\u00e9"  # two bytes
+    text = f"""
+    CREATE UNIQUE INDEX "Ex_{e * 40}" ON t (a);
+    CREATE UNIQUE INDEX ON t ("{e * 40}");
+    ALTER TABLE {"t" * 70} ADD UNIQUE (a);
+    """
+    rules = all_rules_in(text)
+    assert [r.name for r in rules] == [f"Ex_{e * 30}", f"t_{e * 28}_idx", f"{'t' * 57}_a_key"]
+    for rule in rules:
+        assert identifier(quoted(rule.name)) == rule.name
+    assert identifier(f'"Ex_{e * 40}"') == rules[0].name
