@@ -5,7 +5,10 @@ from __future__ import annotations
 import logging
 import signal
 import urllib.request
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from types import FrameType
+from typing import TypeVar
 
 import httpx
 import psycopg
@@ -19,6 +22,11 @@ from payhook.logs import configure_logging
 from payhook.settings import Settings
 
 log = structlog.get_logger(__name__)
+
+#: Seconds between looks for a stop signal noted by the handler.
+SIGNAL_POLL = 0.1
+
+T = TypeVar("T")
 
 
 def build_client(config: OutboxConfig) -> httpx.Client:
@@ -78,10 +86,10 @@ def run(settings: Settings, once: bool = False) -> int:
     stopped_by: list[str] = []
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
-        # No logging here: the signal may land while this thread holds the
-        # log's lock, and a handler that waited for it would wait forever.
+        # Only note it. The signal may land while this thread holds a lock
+        # (the log's, an Event's while it stops the loop after a first signal):
+        # a handler that took it would wait for it forever.
         stopped_by.append(signal.Signals(signum).name)
-        worker.stop()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
@@ -96,10 +104,10 @@ def run(settings: Settings, once: bool = False) -> int:
     )
     try:
         if once:
-            claimed = worker.run_once()
+            claimed = until_stopped(worker.run_once, worker, stopped_by)
             log.info("outbox_pass_done", claimed=claimed)
         else:
-            worker.run()
+            until_stopped(worker.run, worker, stopped_by)
             log.info("outbox_worker_stopping", signal=stopped_by[0] if stopped_by else None)
     finally:
         worker.close()
@@ -107,3 +115,17 @@ def run(settings: Settings, once: bool = False) -> int:
         pool.close()
     log.info("outbox_worker_stopped")
     return 0
+
+
+def until_stopped(loop: Callable[[], T], worker: Worker, stopped_by: list[str]) -> T:
+    """Run `loop` on a thread of its own; this one, the one signals
+    interrupt, asks the worker to stop once a signal was noted."""
+    with ThreadPoolExecutor(1, thread_name_prefix="outbox-loop") as runner:
+        running = runner.submit(loop)
+        while True:
+            if stopped_by:
+                worker.stop()
+            try:
+                return running.result(timeout=SIGNAL_POLL)
+            except TimeoutError:
+                continue

@@ -183,10 +183,17 @@ def test_embedded_postgresql_outlives_a_killed_up_only_until_the_next_run_stops(
         return up, log
 
     first, _ = run_up()
+    orphans = [
+        child
+        for child in psutil.Process(first.pid).children(recursive=True)
+        if child.name() != "postgres"
+    ]
     try:
         first.kill()
         first.wait(timeout=30)
         assert postgres_serving(pgdata), "SIGKILL leaves the embedded server running"
+        # Its own children stop on their own, as their parent's death asks.
+        wait_until(lambda: alive(orphans) == [], 30, "every child of the killed `up` to exit")
         second, log = run_up()
         try:
             children = psutil.Process(second.pid).children(recursive=True)
@@ -202,6 +209,9 @@ def test_embedded_postgresql_outlives_a_killed_up_only_until_the_next_run_stops(
         if first.poll() is None:
             first.kill()
             first.wait()
+        for orphan in orphans:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                orphan.kill()
         # Never leave a server behind a failed test.
         for process in psutil.process_iter(["name", "cmdline"]):
             if process.info["name"] == "postgres" and str(pgdata) in " ".join(

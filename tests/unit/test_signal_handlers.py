@@ -1,9 +1,10 @@
 """A stop signal that lands while the process is writing a log line.
 
-The log's lock is not reentrant: a handler that logged would wait for the lock
-its own thread holds, forever. The dashboard's handler only raises, and
-logs once out of the server's loop (the outbox worker's, likewise, only asks
-its loop to stop).
+The log's lock is not reentrant, nor is an Event's: a handler that logged, or
+set an Event, would wait for the lock its own thread holds, forever. The
+dashboard's handler only raises, and logs once out of the server's loop; the
+outbox worker's only notes the signal, and its main thread asks the loop to
+stop.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import io
 import os
 import signal
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
@@ -20,6 +23,7 @@ from typing import Any
 import pytest
 import structlog
 
+from outbox_worker import main as outbox_main
 from payhook import dashboard
 from payhook.settings import Settings
 
@@ -47,7 +51,7 @@ def alarm_after(seconds: int) -> Iterator[None]:
     """Fail, rather than hang, if the block waits for a lock it holds."""
 
     def expired(signum: int, frame: FrameType | None) -> None:
-        raise TimeoutError("the stop signal's handler waited for the log's lock")
+        raise TimeoutError("the stop signal's handler waited for a lock its thread holds")
 
     saved = {s: signal.getsignal(s) for s in (signal.SIGALRM, signal.SIGTERM, signal.SIGINT)}
     signal.signal(signal.SIGALRM, expired)
@@ -93,3 +97,38 @@ def test_the_dashboard_stops_on_a_signal_that_lands_mid_log_line(
     lines = stdout.written.getvalue().decode()
     assert '"dashboard_stopping"' in lines and '"signal":"SIGTERM"' in lines
     assert '"dashboard_stopped"' in lines
+
+
+class SignalledTwiceWorker:
+    """An outbox loop that is sent SIGTERM, and again while `stop()` holds a
+    lock, as `threading.Event.set` holds its own: a second signal (Ctrl-C
+    twice, `payhook up` dying as it stops its children) lands there."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.lock = threading.Lock()
+        self.stopped = threading.Event()
+        self.closed = False
+
+    def run(self) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+        self.stopped.wait(10)
+
+    def stop(self) -> None:
+        with self.lock:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.01)  # the handler runs here, on this thread
+        self.stopped.set()
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_the_outbox_worker_stops_on_a_signal_that_lands_while_it_is_stopping(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(outbox_main, "Worker", SignalledTwiceWorker)
+    settings = Settings.from_env(
+        {"DATABASE_URL": "postgresql://127.0.0.1:1/x", "REDIS_URL": "redis://127.0.0.1:6379/15"}
+    )
+    with alarm_after(5):
+        assert outbox_main.run(settings) == 0
