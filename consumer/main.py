@@ -7,7 +7,7 @@ from rq.serializers import JSONSerializer
 
 from consumer.handler import Runtime
 from consumer.jobs import install_runtime
-from consumer.worker import PayhookJob, PayhookWorker
+from consumer.worker import PayhookWorker, job_class_for
 from payhook.db import create_pool
 from payhook.logs import configure_logging
 from payhook.queue import redis_connection
@@ -27,7 +27,7 @@ def build_worker(settings: Settings) -> PayhookWorker:
         [settings.queue],
         connection=connection,
         serializer=JSONSerializer,
-        job_class=PayhookJob,
+        job_class=job_class_for(settings),
         maintenance_interval=settings.maintenance_interval,
     )
     worker.job_grace = settings.job_grace

@@ -5,26 +5,43 @@ function name a job carries; anyone able to write to Redis could run
 `os.system`. `PayhookJob` refuses every function and callback that is not
 allowlisted, and every job carrying what payhook never writes (RQ webhooks:
 HTTP requests to any address, sent outside the job's timeout; repeats;
-arguments other than one envelope; a timeout beyond a day) or whose data
-cannot be read; such
-a job fails at once, without retries, and its webhooks are never sent.
+arguments other than one envelope; a timeout beyond a day; callbacks,
+dependencies or a group) or whose data cannot be read; such a job fails at
+once, without retries, before anything of it is applied, and its webhooks
+are never sent.
+
+A job whose hash RQ itself could not read (`consumer.jobhash`) would stop
+the worker inside RQ's dequeue or maintenance, every time it is seen: it is
+quarantined instead (`payhook.quarantine`), wherever the worker finds it
+(dequeued, in the intermediate list, among the abandoned or due retries),
+and the worker goes on with the next job.
 """
 
 from __future__ import annotations
 
 import os
 import signal
-from typing import Any
+import time
+from collections.abc import Iterable
+from typing import Any, cast
 
 import structlog
+from redis import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from rq import Queue
+from rq.exceptions import NoSuchJobError
 from rq.job import Job
+from rq.serializers import JSONSerializer
+from rq.utils import now as rq_now
 from rq.worker import SimpleWorker, WorkerStatus
 
 from consumer import jobs
-from payhook.errors import ForbiddenJob
+from consumer.jobhash import check_job_hash, check_job_id, data_bound
+from payhook import quarantine
+from payhook.errors import ForbiddenJob, UnreadableJob
 from payhook.queue import APPLY_EVENT
-from payhook.settings import MAX_JOB_TIMEOUT
+from payhook.settings import MAX_JOB_TIMEOUT, Settings
 
 log = structlog.get_logger(__name__)
 
@@ -39,14 +56,36 @@ FAULT_KILL_BETWEEN_START_WRITES = "consumer_kill_between_start_writes"
 
 class PayhookJob(Job):
     allowed_functions = ALLOWED_FUNCTIONS
+    #: Most bytes a job's data may expand to (`job_class_for` sets it from
+    #: the consumer's PAYHOOK_MAX_BODY).
+    max_data = data_bound(Settings.max_body)
     #: What the job carries that payhook never writes, found when it was read.
     _refused: str | None = None
 
     def restore(self, raw_data: Any) -> Any:
-        restored = super().restore(raw_data)
+        """RQ's restore, once `check_job_hash` found every field readable;
+        `UnreadableJob` naming the field otherwise."""
+        try:
+            check_job_hash(raw_data, self.max_data)
+            restored = super().restore(raw_data)
+        except UnreadableJob:
+            raise
+        except Exception as exc:  # whatever else RQ's restore raises on a field
+            raise UnreadableJob(f"RQ could not read it ({exc.__class__.__name__})") from None
+        callbacks = (
+            self._success_callback_name,
+            self._failure_callback_name,
+            self._stopped_callback_name,
+        )
         carried = [
             name
-            for name, value in (("webhooks", self.webhooks), ("repeats", self.repeats_left))
+            for name, value in (
+                ("webhooks", self.webhooks),
+                ("repeats", self.repeats_left),
+                ("callbacks", any(callbacks)),
+                ("dependencies", self._dependency_ids),
+                ("a group", self.group_id),
+            )
             if value
         ]
         if self.timeout is not None and not 0 < self.timeout <= MAX_JOB_TIMEOUT:
@@ -108,8 +147,40 @@ class PayhookJob(Job):
         return None
 
 
+def job_class_for(settings: Settings) -> type[PayhookJob]:
+    """`PayhookJob`, bounding job data by `settings.max_body`."""
+    bound = data_bound(settings.max_body)
+    if bound == PayhookJob.max_data:
+        return PayhookJob
+    return type("PayhookJob", (PayhookJob,), {"max_data": bound})
+
+
+def read_job(
+    connection: Redis, job_class: type[Job], raw_id: bytes, queue: str
+) -> tuple[Job | None, str | None]:
+    """The job `raw_id` of `queue`, or why it cannot be read: `(job, None)`,
+    `(None, reason)`, or `(None, None)` when it has no hash at all (RQ passes
+    over a missing job). A lost connection to Redis is raised, never taken
+    for an unreadable job."""
+    try:
+        job_id = check_job_id(raw_id)
+        job = job_class.fetch(job_id, connection=connection, serializer=JSONSerializer)
+    except NoSuchJobError:
+        return None, None
+    except (RedisConnectionError, RedisTimeoutError):
+        raise
+    except UnreadableJob as exc:
+        return None, str(exc)
+    except Exception as exc:  # a key of another type (WRONGTYPE), or anything RQ raises
+        return None, f"RQ could not read it ({exc.__class__.__name__})"
+    if job.origin != queue:
+        return None, "origin: not this queue"
+    return job, None
+
+
 class PayhookQueue(Queue):
-    """The events queue as a consumer works it."""
+    """The events queue as a consumer works it: a job that cannot be read is
+    quarantined as it is dequeued, and the next one taken."""
 
     #: Seconds the registry-cleaning lock lives. RQ's is 899 s: a worker
     #: killed while cleaning would stop every worker from recovering abandoned
@@ -123,6 +194,73 @@ class PayhookQueue(Queue):
                 self.registry_cleaning_key, 1, nx=True, ex=self.maintenance_lock_ttl
             )
         )
+
+    @classmethod
+    def dequeue_any(  # type: ignore[override]
+        cls, queues: Iterable[Queue], timeout: int | None, connection: Redis, **kwargs: Any
+    ) -> tuple[Job, Queue] | None:
+        """RQ's dequeue of one queue (an atomic move of the id into the
+        intermediate list), where a job that cannot be read is quarantined
+        instead of raised: RQ would raise it out of the worker's loop."""
+        ordered = list(queues)
+        if len(ordered) != 1 or not isinstance(ordered[0], PayhookQueue):
+            return super().dequeue_any(ordered, timeout, connection, **kwargs)
+        queue = ordered[0]
+        while True:
+            moved = cls.lmove(connection, queue.key, timeout)
+            if moved is None:
+                return None
+            raw_id = moved[1]
+            job, reason = read_job(connection, queue.job_class, raw_id, queue.name)
+            if reason is not None:
+                queue.quarantine(raw_id, reason, source=queue.intermediate_queue_key, kind="list")
+            elif job is not None:
+                return job, queue
+            # No hash: as RQ, the intermediate list's cleanup drops the id.
+
+    def quarantine(
+        self,
+        raw_id: bytes,
+        reason: str,
+        *,
+        source: str | bytes,
+        kind: str,
+        member: bytes | None = None,
+    ) -> None:
+        quarantine.move(
+            self.connection, self.name, raw_id, reason, source=source, kind=kind, member=member
+        )
+        log.error(
+            "job_quarantined",
+            job_id=quarantine.printable(raw_id),
+            reason=reason,
+            found_in=source if isinstance(source, str) else quarantine.printable(source),
+        )
+
+    def sweep(self) -> int:
+        """Quarantine every unreadable job where RQ's maintenance or scheduler
+        would read it: the intermediate list, the started registry's expired
+        entries (abandoned jobs) and the scheduled registry's due ones
+        (retries). How many were quarantined."""
+        found = 0
+        connection = self.connection
+        for raw_id in cast(list[bytes], connection.lrange(self.intermediate_queue_key, 0, -1)):
+            _, reason = read_job(connection, self.job_class, raw_id, self.name)
+            if reason is not None:
+                self.quarantine(raw_id, reason, source=self.intermediate_queue_key, kind="list")
+                found += 1
+        now = time.time()
+        for key, composite in (
+            (self.started_job_registry.key, True),
+            (self.scheduled_job_registry.key, False),
+        ):
+            for member in cast(list[bytes], connection.zrangebyscore(key, 0, now)):
+                raw_id = member.split(b":", 1)[0] if composite else member
+                _, reason = read_job(connection, self.job_class, raw_id, self.name)
+                if reason is not None:
+                    self.quarantine(raw_id, reason, source=key, kind="zset", member=member)
+                    found += 1
+        return found
 
 
 class PayhookWorker(SimpleWorker):
@@ -194,6 +332,20 @@ class PayhookWorker(SimpleWorker):
         jobs.wait_for_ahead()
         log.warning("fault_kill", fault=fault)
         os.kill(os.getpid(), signal.SIGKILL)
+
+    def run_maintenance_tasks(self) -> None:
+        """RQ's maintenance, after quarantining what it could not read. An
+        error in it is logged and the worker goes on: the next pass tries again."""
+        try:
+            for queue in self.queues:
+                if isinstance(queue, PayhookQueue):
+                    queue.sweep()
+            super().run_maintenance_tasks()  # type: ignore[no-untyped-call]
+        except (RedisConnectionError, RedisTimeoutError):
+            raise
+        except Exception:
+            log.exception("maintenance_failed", worker=self.name)
+            self.last_cleaned_at = rq_now()  # type: ignore[assignment]  # next pass at the interval
 
     @property
     def dequeue_timeout(self) -> int:

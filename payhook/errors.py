@@ -52,3 +52,7 @@ class ForbiddenJob(PayhookError):
 
 class RefusedJob(PayhookError):
     """The consumer refused a job it could not verify or read; it applied nothing."""
+
+
+class UnreadableJob(PayhookError):
+    """The job's hash in Redis is not one payhook wrote: it cannot be read as a job."""
