@@ -40,7 +40,7 @@ from rq import Queue
 from rq.registry import FailedJobRegistry, ScheduledJobRegistry
 from rq.utils import utcparse
 
-from payhook import counters
+from payhook import counters, quarantine
 from payhook.db import Row, connect, fetch_one
 from payhook.errors import PayhookError, SettingsError
 from payhook.queue import events_queue, redis_connection
@@ -74,6 +74,7 @@ SIGNALS = (
     "outbox_overdue",
     "outbox_dead",
     "dead_letter_jobs",
+    "quarantined_jobs",
 )
 
 
@@ -171,6 +172,7 @@ def read_signals(
         queue = events_queue(redis, settings)
         retries = counters.total(redis, counters.SERIALIZATION_RETRIES, config.retry_window)
         dead_letters = FailedJobRegistry(queue=queue).get_job_count(cleanup=False)
+        quarantined = quarantine.count(redis, settings.queue)
         backlog = oldest_waiting(queue)
     except RedisError as exc:
         raise AlertsUnavailable(f"Redis: {exc}") from exc
@@ -229,6 +231,12 @@ def read_signals(
         ),
         Signal("outbox_dead", int(row["outbox_dead"]), 0, "dead outbox rows"),
         Signal("dead_letter_jobs", dead_letters, 0, "event jobs in the dead-letter queue"),
+        Signal(
+            "quarantined_jobs",
+            quarantined,
+            0,
+            "jobs in Redis the consumers could not read, set aside (`payhook quarantine list`)",
+        ),
     ]
 
 

@@ -179,6 +179,19 @@ def cmd_operations(args: argparse.Namespace, settings: Settings) -> int:
     return run(args, settings)
 
 
+def cmd_quarantine(args: argparse.Namespace, settings: Settings) -> int:
+    from payhook import quarantine
+    from payhook.queue import redis_connection
+
+    if args.action == "purge" and not (args.all or args.job_ids):
+        raise PayhookError("quarantine purge: name JOB_IDs or give --all")
+    redis = redis_connection(settings, timeout=10)
+    try:
+        return quarantine.run(args.action, args, redis, settings.queue, sys.stdout)
+    finally:
+        redis.close()
+
+
 def cmd_retention(args: argparse.Namespace, settings: Settings) -> int:
     from payhook.retention import run
 
@@ -342,6 +355,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("requeue", cmd_operations, "put dead-letter jobs back on the events queue", dlq)
     p.add_argument("job_ids", nargs="*", metavar="JOB_ID")
     p.add_argument("--all", action="store_true", help="every dead-letter event job")
+
+    quarantined = commands.add_parser(
+        "quarantine", help="jobs in Redis the consumers could not read, set aside"
+    ).add_subparsers(dest="action", required=True, metavar="ACTION")
+    p = add("list", cmd_quarantine, "quarantined jobs, newest first, as JSON lines", quarantined)
+    p.add_argument("--limit", type=int, default=100)
+    p = add("show", cmd_quarantine, "why a job was quarantined, and its fields' sizes", quarantined)
+    p.add_argument("job_ids", nargs="+", metavar="JOB_ID")
+    p = add("purge", cmd_quarantine, "delete quarantined jobs for good", quarantined)
+    p.add_argument("job_ids", nargs="*", metavar="JOB_ID")
+    p.add_argument("--all", action="store_true", help="every quarantined job")
 
     retention = commands.add_parser(
         "retention", help="archive old receipts, delete old bookkeeping"

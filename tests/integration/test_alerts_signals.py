@@ -22,7 +22,7 @@ from rq.registry import FailedJobRegistry, ScheduledJobRegistry
 from rq.utils import utcformat
 
 from consumer.transaction import Applied, Endpoint, apply_event
-from payhook import counters
+from payhook import counters, quarantine
 from payhook.alerts import (
     SIGNALS,
     AlertCollector,
@@ -144,6 +144,7 @@ def test_each_signal_counts_what_it_names(
     queue.enqueue("consumer.jobs.apply_event", {"v": 1})
     ten_minutes_ago = datetime.now(UTC) - timedelta(minutes=10)
     redis_conn.hset(waiting.key, "enqueued_at", utcformat(ten_minutes_ago))
+    quarantine.move(redis_conn, settings.queue, b"\xff", "id: not a job id payhook writes")
 
     got = values(conn, redis_conn, settings)
     assert 600 <= got.pop("queue_backlog") < 660
@@ -157,6 +158,7 @@ def test_each_signal_counts_what_it_names(
         "outbox_overdue": 1,
         "outbox_dead": 1,
         "dead_letter_jobs": 1,
+        "quarantined_jobs": 1,
     }
     signals = read_signals(conn, redis_conn, settings, AlertConfig.from_settings(settings))
     active = {s.name for s in signals if s.active}
@@ -169,6 +171,7 @@ def test_each_signal_counts_what_it_names(
         "outbox_overdue",
         "outbox_dead",
         "dead_letter_jobs",
+        "quarantined_jobs",
     }
     # Within PAYHOOK_ALERT_BACKLOG, a waiting job is no alert.
     patient = replace(settings, extra={**settings.extra, "PAYHOOK_ALERT_BACKLOG": "15m"})
@@ -190,6 +193,7 @@ def test_each_signal_counts_what_it_names(
         "outbox_overdue",
         "outbox_dead",
         "dead_letter_jobs",
+        "quarantined_jobs",
     ]
 
 

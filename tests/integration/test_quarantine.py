@@ -3,6 +3,7 @@ the worker goes on with the jobs behind it."""
 
 from __future__ import annotations
 
+import json
 import uuid
 import zlib
 from collections.abc import Iterator
@@ -21,6 +22,7 @@ from payhook import quarantine
 from payhook.queue import enqueue_event, events_queue
 from payhook.settings import Settings
 from tests.factories import Factory, Shop, StandardEvent
+from tests.processes import run_cli
 
 
 @pytest.fixture
@@ -242,3 +244,33 @@ def test_show_describes_a_job_without_its_data_and_purge_deletes_it(
     assert quarantine.count(redis_conn, settings.queue) == 0
     assert not redis_conn.exists(quarantine.job_key(settings.queue, forged.id.encode()))
     assert quarantine.show(redis_conn, settings.queue, forged.id.encode()) is None
+
+
+def test_the_quarantine_command_lists_shows_and_purges(
+    settings: Settings, redis_conn: Redis, factory: Factory, installed: Runtime
+) -> None:
+    shop = factory.shop()
+    forged = enqueue(settings, redis_conn, factory, shop)
+    redis_conn.hset(forged.key, "ttl", "forever")
+    quarantine.move(redis_conn, settings.queue, b"odd\xff", "id: not a job id payhook writes")
+    build_worker(settings).work(burst=True, logging_level="ERROR")
+
+    listed = run_cli(settings, "quarantine", "list")
+    assert listed.returncode == 0, listed.stderr
+    rows = [json.loads(line) for line in listed.stdout.splitlines()]
+    assert [(r["job_id"], r["reason"]) for r in rows] == [
+        (forged.id, "ttl: not a whole number from -1 to 3153600000"),
+        ("odd\\xff", "id: not a job id payhook writes"),
+    ]
+    shown = run_cli(settings, "quarantine", "show", "odd\\xff", "nope")
+    assert shown.returncode == 1
+    assert [json.loads(line).get("error") for line in shown.stdout.splitlines()] == [
+        "not quarantined",
+        None,
+    ]
+    assert run_cli(settings, "quarantine", "purge").returncode != 0  # neither ids nor --all
+    purged = run_cli(settings, "quarantine", "purge", "odd\\xff")
+    assert json.loads(purged.stdout) == {"purged": 1}
+    purged = run_cli(settings, "quarantine", "purge", "--all")
+    assert json.loads(purged.stdout) == {"purged": 1}
+    assert quarantine.count(redis_conn, settings.queue) == 0
