@@ -3,13 +3,13 @@ VENV ?= .venv
 PYTHON ?= python3
 BIN := $(VENV)/bin
 
-.PHONY: run test install services browser lint format unit integration e2e bench clean
+.PHONY: run test install services browser lint docs format unit integration e2e bench clean
 
 # `payhook up` finds the local PostgreSQL and Redis, or starts embedded ones.
 run: install
 	$(BIN)/payhook up
 
-test: install services browser lint
+test: install services browser lint docs
 	$(BIN)/pytest
 
 install: $(VENV)/.installed
@@ -31,6 +31,10 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+
+# The manual in docs/; strict, so a broken link or a page left out of the nav fails.
+docs: install
+	$(BIN)/mkdocs build --strict
 
 format: install
 	$(BIN)/ruff format .
