@@ -37,10 +37,10 @@ from rq.utils import now as rq_now
 from rq.worker import SimpleWorker, WorkerStatus
 
 from consumer import jobs
-from consumer.jobhash import check_job_hash, check_job_id, data_bound
 from payhook import quarantine
 from payhook.errors import ForbiddenJob, UnreadableJob
-from payhook.queue import APPLY_EVENT
+from payhook.jobhash import check_job_id, data_bound
+from payhook.queue import APPLY_EVENT, ReadableJob
 from payhook.settings import MAX_JOB_TIMEOUT, Settings
 
 log = structlog.get_logger(__name__)
@@ -54,24 +54,13 @@ FAULT_KILL_BEFORE_STARTED = "consumer_kill_before_started"
 FAULT_KILL_BETWEEN_START_WRITES = "consumer_kill_between_start_writes"
 
 
-class PayhookJob(Job):
+class PayhookJob(ReadableJob):
     allowed_functions = ALLOWED_FUNCTIONS
-    #: Most bytes a job's data may expand to (`job_class_for` sets it from
-    #: the consumer's PAYHOOK_MAX_BODY).
-    max_data = data_bound(Settings.max_body)
     #: What the job carries that payhook never writes, found when it was read.
     _refused: str | None = None
 
     def restore(self, raw_data: Any) -> Any:
-        """RQ's restore, once `check_job_hash` found every field readable;
-        `UnreadableJob` naming the field otherwise."""
-        try:
-            check_job_hash(raw_data, self.max_data)
-            restored = super().restore(raw_data)
-        except UnreadableJob:
-            raise
-        except Exception as exc:  # whatever else RQ's restore raises on a field
-            raise UnreadableJob(f"RQ could not read it ({exc.__class__.__name__})") from None
+        restored = super().restore(raw_data)
         callbacks = (
             self._success_callback_name,
             self._failure_callback_name,

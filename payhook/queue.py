@@ -7,6 +7,7 @@ import path, so the ingress never imports the consumer.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from redis import Redis
 from rq import Queue, Retry
@@ -14,12 +15,33 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from payhook.envelope import Envelope
+from payhook.errors import UnreadableJob
+from payhook.jobhash import check_job_hash, data_bound
 from payhook.settings import Settings
 
 #: Import path of the only function a consumer runs.
 APPLY_EVENT = "consumer.jobs.apply_event"
 #: Seconds a failed job stays in the dead-letter queue (FailedJobRegistry).
 FAILURE_TTL = 30 * 86400
+
+
+class ReadableJob(Job):
+    """An RQ job whose hash is checked before RQ reads it (`payhook.jobhash`):
+    `UnreadableJob` naming the field, never whatever RQ would raise, and data
+    that would expand past `max_data` bytes is never expanded."""
+
+    #: Most bytes a job's data may expand to; a consumer sets it from its
+    #: PAYHOOK_MAX_BODY.
+    max_data = data_bound(Settings.max_body)
+
+    def restore(self, raw_data: Any) -> Any:
+        try:
+            check_job_hash(raw_data, self.max_data)
+            return super().restore(raw_data)
+        except UnreadableJob:
+            raise
+        except Exception as exc:  # whatever else RQ's restore raises on a field
+            raise UnreadableJob(f"RQ could not read it ({exc.__class__.__name__})") from None
 
 
 def redis_connection(settings: Settings, *, timeout: float | None = None) -> Redis:

@@ -16,9 +16,9 @@ from rq.serializers import JSONSerializer
 
 from consumer import jobs
 from consumer.handler import Runtime
-from consumer.jobhash import data_bound
 from consumer.main import build_worker
 from payhook import quarantine
+from payhook.jobhash import data_bound
 from payhook.queue import enqueue_event, events_queue
 from payhook.settings import Settings
 from tests.factories import Factory, Shop, StandardEvent
