@@ -6,7 +6,7 @@ function name a job carries; anyone able to write to Redis could run
 allowlisted, and every job carrying what payhook never writes (RQ webhooks:
 HTTP requests to any address, sent outside the job's timeout; repeats;
 arguments other than one envelope; a timeout beyond a day; callbacks,
-dependencies or a group) or whose data cannot be read; such a job fails at
+dependencies, a group or a ttl) or whose data cannot be read; such a job fails at
 once, without retries, before anything of it is applied, and its webhooks
 are never sent.
 
@@ -74,6 +74,8 @@ class PayhookJob(ReadableJob):
                 ("callbacks", any(callbacks)),
                 ("dependencies", self._dependency_ids),
                 ("a group", self.group_id),
+                # A ttl would let an accepted event's job expire while it waits.
+                ("a ttl", self.ttl is not None and self.ttl >= 0),
             )
             if value
         ]

@@ -170,6 +170,7 @@ def test_a_job_from_another_queue_is_quarantined(
         ("stopped_callback_name", "os.system"),
         ("dependency_ids", '["00000000-0000-0000-0000-000000000000"]'),
         ("group_id", "g1"),
+        ("ttl", "1"),
     ],
 )
 def test_a_job_naming_a_callback_or_dependencies_is_refused_before_it_is_applied(
