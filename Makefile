@@ -34,7 +34,7 @@ lint: install
 
 # The manual in docs/; strict, so a broken link or a page left out of the nav fails.
 docs: install
-	$(BIN)/mkdocs build --strict
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
 format: install
 	$(BIN)/ruff format .
