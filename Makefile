@@ -9,8 +9,10 @@ BIN := $(VENV)/bin
 run: install
 	$(BIN)/payhook up
 
+# Four workers on two cores: most tests wait on servers and processes. One
+# file stays on one worker, so a module's stack of processes starts once.
 test: install services browser lint docs
-	$(BIN)/pytest
+	$(BIN)/pytest -n 4 --dist loadfile
 
 install: $(VENV)/.installed
 

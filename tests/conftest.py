@@ -25,8 +25,22 @@ from tests.factories import Factory
 
 #: Server the tests create their databases on.
 PG_SERVER = os.environ.get("PAYHOOK_TEST_PG", "postgresql://postgres@127.0.0.1:5432")
+#: This process's place in a parallel run (pytest-xdist's `gw0`, `gw1`, ...; 0 alone).
+WORKER_INDEX = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+
+
+def _redis_test_url() -> str:
+    """`PAYHOOK_TEST_REDIS` (db 15 by default), one database lower per
+    parallel worker: each worker owns and flushes its own."""
+    base, _, db = os.environ.get("PAYHOOK_TEST_REDIS", "redis://127.0.0.1:6379/15").rpartition("/")
+    number = int(db) - WORKER_INDEX
+    if number < 0:
+        raise RuntimeError(f"PAYHOOK_TEST_REDIS: no Redis database left for worker {WORKER_INDEX}")
+    return f"{base}/{number}"
+
+
 #: Redis database the tests own and flush.
-REDIS_TEST_URL = os.environ.get("PAYHOOK_TEST_REDIS", "redis://127.0.0.1:6379/15")
+REDIS_TEST_URL = _redis_test_url()
 TEMPLATE = f"payhook_test_template_{os.getpid()}"
 
 
