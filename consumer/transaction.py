@@ -120,7 +120,8 @@ def apply_with_retries(
                 event_id=event.event_id,
             )
             if attempt > retries:
-                raise TooManyRetries(attempt, exc.sqlstate) from exc
+                # Not chained: the error's text may quote the event's content.
+                raise TooManyRetries(attempt, exc.sqlstate) from None
             time.sleep(random.uniform(0, RETRY_BASE_DELAY * 2**attempt))
             continue
         return dataclasses.replace(result, retries=attempt)

@@ -42,6 +42,10 @@ class TimestampOutOfTolerance(SignatureError):
     """The signed timestamp is too old or too far in the future."""
 
 
+class DatabaseError(PayhookError):
+    """PostgreSQL failed a statement."""
+
+
 class MalformedEvent(PayhookError):
     """The authenticated body is not an event payhook can read."""
 

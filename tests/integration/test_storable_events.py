@@ -9,14 +9,17 @@ of the job, and `payhook trace` finds it by the gateway's id.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import logging
 import secrets
+import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
 
+import psycopg
 import pytest
 from redis import Redis
 from rq.job import Job, JobStatus
@@ -236,3 +239,61 @@ def test_a_time_with_a_sub_second_utc_offset_is_applied(
     job = envelope(shop, body, event.headers(shop.secret, body))
     assert jobs.apply_event(job.to_json())["outcome"] == "applied"
     assert factory.order_state(shop, order_id) == "paid"
+
+
+def fail_receipts(factory: Factory, sqlstate: str) -> None:
+    """Make every receipt insert fail with `sqlstate` and an error quoting the
+    event's type, as PostgreSQL's own errors quote the JSON they could not read."""
+    factory.conn.execute(
+        f"""
+        CREATE FUNCTION payhook.quote_and_fail() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN
+            RAISE EXCEPTION USING ERRCODE = '{sqlstate}', MESSAGE = 'refused ' || NEW.event_type,
+                DETAIL = NEW.event_type;
+        END;
+        $$;
+        CREATE TRIGGER quote_and_fail BEFORE INSERT ON payhook.payment_event_receipts
+            FOR EACH ROW EXECUTE FUNCTION payhook.quote_and_fail();
+        """
+    )
+
+
+@pytest.mark.parametrize(
+    ("sqlstate", "error"),
+    [
+        ("P0001", "DatabaseError: RaiseException, SQLSTATE P0001"),
+        ("40001", "TooManyRetries: {attempts} attempts, last SQLSTATE 40001"),
+    ],
+    ids=["raised", "retried"],
+)
+def test_a_database_error_in_a_job_carries_no_text_of_the_event(
+    settings: Settings,
+    redis_conn: Redis,
+    factory: Factory,
+    installed: Runtime,
+    caplog: pytest.LogCaptureFixture,
+    sqlstate: str,
+    error: str,
+) -> None:
+    """What RQ keeps and logs of the failure names the error, not the event
+    (a serialization failure is retried in the job first)."""
+    fail_receipts(factory, sqlstate)
+    error = error.format(attempts=settings.serialization_retries + 1)
+    shop = factory.shop()
+    job = factory.standard_envelope(shop, StandardEvent(type=f"customer.{MARK}"))
+
+    with pytest.raises(Exception) as raised:
+        jobs.apply_event(job.to_json())
+    assert not isinstance(raised.value, psycopg.Error)
+    failure = "".join(traceback.format_exception(raised.value))
+    assert error in failure and MARK not in failure
+
+    once = dataclasses.replace(settings, job_retry_intervals=(0,))
+    with capture_logs() as logs, caplog.at_level(logging.DEBUG):
+        (failed,) = run_worker(once, redis_conn, [job])
+    assert failed.get_status() == JobStatus.FAILED
+    result = failed.latest_result()
+    assert result is not None and result.exc_string is not None
+    assert error in result.exc_string and MARK not in result.exc_string
+    assert MARK not in json.dumps(logs, default=repr)
+    assert MARK not in caplog.text
