@@ -26,11 +26,12 @@ from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 from structlog.testing import capture_logs
 
-from consumer import jobs
+from consumer import handler, jobs
 from consumer.handler import Runtime
 from consumer.main import build_worker
 from payhook import operations
 from payhook.envelope import Envelope
+from payhook.gateways import storable
 from payhook.gateways.storable import storable_event_id
 from payhook.queue import enqueue_event, events_queue
 from payhook.settings import Settings
@@ -239,6 +240,27 @@ def test_a_time_with_a_sub_second_utc_offset_is_applied(
     job = envelope(shop, body, event.headers(shop.secret, body))
     assert jobs.apply_event(job.to_json())["outcome"] == "applied"
     assert factory.order_state(shop, order_id) == "paid"
+
+
+def test_an_event_dated_ahead_redelivered_once_its_time_came_is_a_duplicate(
+    runtime: Runtime, factory: Factory, installed: Runtime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Recorded with the digest of its content, as it would be once storable:
+    the redelivery is no digest conflict."""
+    shop = factory.shop()
+    order_id = factory.order(shop)
+    ahead = datetime.now(UTC) + timedelta(days=2)
+    event = StandardEvent(timestamp=int(ahead.timestamp()))
+    assert jobs.apply_event(factory.standard_envelope(shop, event).to_json())["outcome"] == (
+        "malformed"
+    )
+    later = ahead + timedelta(hours=1)
+    monkeypatch.setattr(handler, "storable_event", lambda e: storable.storable_event(e, later))
+    assert jobs.apply_event(factory.standard_envelope(shop, event).to_json())["outcome"] == (
+        "duplicate"
+    )
+    assert factory.count("security_anomalies") == 0
+    assert factory.order_state(shop, order_id) == "pending"
 
 
 def fail_receipts(factory: Factory, sqlstate: str) -> None:
