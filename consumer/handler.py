@@ -20,6 +20,13 @@ from payhook.envelope import Envelope, MalformedJob, NewerEnvelope
 from payhook.errors import MalformedEvent, SignatureError, SignatureMismatch
 from payhook.gateways import Event, Gateway, get_gateway
 from payhook.gateways.base import raw_digest
+from payhook.gateways.storable import (
+    recorded_identity,
+    storable_event,
+    storable_event_id,
+    storable_type,
+    unreadable_event_id,
+)
 from payhook.horizon import receipt_horizon
 from payhook.settings import Settings
 
@@ -79,12 +86,10 @@ def handle(runtime: Runtime, data: object) -> Applied:
                 )
                 log.error("job_signature_invalid", reason=exc.__class__.__name__)
                 return Applied("signature_invalid")
-        forced = None
-        try:
-            event = gateway.parse(envelope.headers, envelope.body)
-        except MalformedEvent as exc:
-            event, forced = _unreadable(gateway, envelope, exc), "malformed"
+        event, malformed = _read_event(gateway, envelope)
         structlog.contextvars.bind_contextvars(event_id=event.event_id)
+        if malformed is not None:
+            log.error("event_malformed", field=malformed.field, reason=malformed.reason)
         try:
             result = apply_with_retries(
                 conn,
@@ -92,7 +97,8 @@ def handle(runtime: Runtime, data: object) -> Applied:
                 event,
                 envelope.delivery_id,
                 retries=runtime.settings.serialization_retries,
-                forced_outcome=forced,
+                forced_outcome=None if malformed is None else "malformed",
+                forced_detail=None if malformed is None else malformed.detail,
                 horizon=receipt_horizon(runtime.settings.receipt_retention),
             )
         except TooManyRetries as exc:
@@ -118,23 +124,39 @@ def _verify(runtime: Runtime, gateway: Gateway, envelope: Envelope, endpoint: En
     gateway.verify(envelope.headers, envelope.body, secrets, now=None, tolerance=None)
 
 
-def _unreadable(gateway: Gateway, envelope: Envelope, exc: MalformedEvent) -> Event:
-    """An authentic body we cannot read, as an event that can only be recorded."""
+def _read_event(gateway: Gateway, envelope: Envelope) -> tuple[Event, MalformedEvent | None]:
+    """The event as it is stored; for one that cannot be read or stored, what
+    is recorded of it and why."""
+    parsed = None
+    try:
+        parsed = gateway.parse(envelope.headers, envelope.body)
+        return storable_event(parsed), None
+    except MalformedEvent as exc:
+        if parsed is not None:
+            # Its digest, not the body's: were it storable later (a time no
+            # longer in the future), its redelivery is a duplicate, not a conflict.
+            return recorded_identity(parsed), exc
+        return _unreadable(gateway, envelope), exc
+
+
+def _unreadable(gateway: Gateway, envelope: Envelope) -> Event:
+    """An authentic body we cannot read, as an event that can only be recorded:
+    under its id if one can be read, else under its digest, never the
+    delivery's, so that every delivery of it is one receipt."""
     event_id = envelope.headers.get("webhook-id")
-    event_type = "unreadable"
+    event_type = None
     try:
         data: Any = json.loads(envelope.body)
         if isinstance(data, dict):
             event_id = event_id or (data.get("id") if isinstance(data.get("id"), str) else None)
-            if isinstance(data.get("type"), str):
-                event_type = data["type"][:255]
+            event_type = data.get("type")
     except (ValueError, RecursionError):
         pass
-    log.error("event_malformed", reason=str(exc))
+    digest = gateway.unreadable_digest(envelope.body)
     return Event.unreadable(
-        event_id or f"delivery:{envelope.delivery_id}",
-        event_type,
-        gateway.unreadable_digest(envelope.body),
+        storable_event_id(event_id) if event_id else unreadable_event_id(digest),
+        storable_type(event_type),
+        digest,
     )
 
 

@@ -17,13 +17,14 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import psycopg
 import structlog
 from rq import get_current_job
 
 from consumer.handler import Runtime, handle
 from consumer.transaction import Applied
 from payhook.db import cancel_waiting
-from payhook.errors import PayhookError, RefusedJob
+from payhook.errors import DatabaseError, PayhookError, RefusedJob
 
 log = structlog.get_logger(__name__)
 
@@ -133,6 +134,12 @@ def _apply(runtime: Runtime, envelope: Any) -> Applied:
     structlog.contextvars.clear_contextvars()
     try:
         result = handle(runtime, envelope)
+    except psycopg.Error as exc:
+        # What RQ keeps and logs of a failed job: the class and SQLSTATE. The
+        # error's own text may quote the event (PostgreSQL's context shows
+        # the JSON it could not read), and so would a chained traceback.
+        raise DatabaseError(f"{exc.__class__.__name__}, SQLSTATE {exc.sqlstate}") from None
+    else:
         log.info("event_applied", outcome=result.outcome, retries=result.retries)
         return result
     finally:

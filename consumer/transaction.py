@@ -30,6 +30,7 @@ import random
 import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Any
 
 import psycopg
 import structlog
@@ -94,6 +95,7 @@ def apply_with_retries(
     *,
     retries: int,
     forced_outcome: str | None = None,
+    forced_detail: dict[str, Any] | None = None,
     horizon: datetime | None = None,
 ) -> Applied:
     """`apply_event`, retried on serialization failures and deadlocks with jittered backoff."""
@@ -101,7 +103,13 @@ def apply_with_retries(
     while True:
         try:
             result = apply_event(
-                conn, endpoint, event, delivery_id, forced_outcome=forced_outcome, horizon=horizon
+                conn,
+                endpoint,
+                event,
+                delivery_id,
+                forced_outcome=forced_outcome,
+                forced_detail=forced_detail,
+                horizon=horizon,
             )
         except RETRYABLE as exc:
             attempt += 1
@@ -112,7 +120,8 @@ def apply_with_retries(
                 event_id=event.event_id,
             )
             if attempt > retries:
-                raise TooManyRetries(attempt, exc.sqlstate) from exc
+                # Not chained: the error's text may quote the event's content.
+                raise TooManyRetries(attempt, exc.sqlstate) from None
             time.sleep(random.uniform(0, RETRY_BASE_DELAY * 2**attempt))
             continue
         return dataclasses.replace(result, retries=attempt)
@@ -125,12 +134,14 @@ def apply_event(
     delivery_id: str,
     *,
     forced_outcome: str | None = None,
+    forced_detail: dict[str, Any] | None = None,
     horizon: datetime | None = None,
 ) -> Applied:
     """Apply one authentic event in one transaction; safe to call any number of times.
 
     `forced_outcome` records the receipt with that outcome and changes nothing
-    else (`ignored` for unknown types, `malformed` for unreadable bodies).
+    else (`ignored` for unknown types, `malformed` for unreadable bodies, whose
+    exception records `forced_detail`).
     An event whose gateway timestamp is older than `horizon` (default: now
     minus the default receipt retention) is refused the same way, with the
     outcome `beyond_horizon` and an exception row. An event to act on
@@ -143,7 +154,6 @@ def apply_event(
             "the retention horizon cannot judge it"
         )
     horizon = horizon or receipt_horizon(DEFAULT_RECEIPT_RETENTION)
-    forced_detail = None
     if forced_outcome is None and beyond_horizon(event.occurred_at, horizon):
         forced_outcome = "beyond_horizon"
         assert event.occurred_at is not None

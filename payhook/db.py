@@ -6,12 +6,16 @@ import select
 import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, suppress
+from datetime import datetime
 from typing import Any
 
 import psycopg
 from psycopg import pq
+from psycopg.abc import AdaptContext, Buffer
+from psycopg.adapt import Loader
 from psycopg.conninfo import conninfo_to_dict
 from psycopg.rows import dict_row
+from psycopg.types.datetime import TimestamptzLoader
 from psycopg_pool import ConnectionPool
 
 from payhook.queries import query
@@ -203,14 +207,18 @@ def cancel_waiting(thread: int) -> None:
 
 
 def fetch_one(
-    conn: psycopg.Connection[Row], name: str, params: Mapping[str, Any] | None = None
+    conn: psycopg.Connection[Row] | psycopg.Cursor[Row],
+    name: str,
+    params: Mapping[str, Any] | None = None,
 ) -> Row | None:
     """Run a named query; its first row or None."""
     return conn.execute(query(name), params or {}).fetchone()
 
 
 def fetch_all(
-    conn: psycopg.Connection[Row], name: str, params: Mapping[str, Any] | None = None
+    conn: psycopg.Connection[Row] | psycopg.Cursor[Row],
+    name: str,
+    params: Mapping[str, Any] | None = None,
 ) -> list[Row]:
     """Run a named query; all its rows."""
     return conn.execute(query(name), params or {}).fetchall()
@@ -221,3 +229,27 @@ def execute(
 ) -> int:
     """Run a named query; the number of rows it touched."""
     return conn.execute(query(name), params or {}).rowcount
+
+
+class _TimestamptzOrText(Loader):
+    """psycopg's own loader, but a time Python cannot hold is its text."""
+
+    def __init__(self, oid: int, context: AdaptContext | None = None) -> None:
+        super().__init__(oid, context)
+        self._datetime = TimestamptzLoader(oid, context)
+
+    def load(self, data: Buffer) -> datetime | str:
+        try:
+            return self._datetime.load(data)
+        except psycopg.DataError:
+            return bytes(data).decode()
+
+
+def tolerant_cursor(conn: psycopg.Connection[Row]) -> psycopg.Cursor[Row]:
+    """A cursor of `conn` that reads a `timestamptz` Python's datetime cannot
+    hold (past year 9999 or before year 1 in the session's time zone,
+    infinity) as the text PostgreSQL writes, where psycopg would fail the
+    row: for commands that show whatever was stored."""
+    cursor = conn.cursor()
+    cursor.adapters.register_loader("timestamptz", _TimestamptzOrText)
+    return cursor

@@ -42,8 +42,22 @@ class TimestampOutOfTolerance(SignatureError):
     """The signed timestamp is too old or too far in the future."""
 
 
+class DatabaseError(PayhookError):
+    """PostgreSQL failed a statement."""
+
+
 class MalformedEvent(PayhookError):
     """The authenticated body is not an event payhook can read."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}")
+        self.field = field
+        self.reason = reason
+
+    @property
+    def detail(self) -> dict[str, str]:
+        """What the exception row records: the field and the reason, never its content."""
+        return {"field": self.field, "reason": self.reason}
 
 
 class ForbiddenJob(PayhookError):

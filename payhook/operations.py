@@ -34,8 +34,9 @@ from rq.job import Job
 from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 
-from payhook.db import Row, connect, fetch_all, fetch_one
+from payhook.db import Row, connect, fetch_all, fetch_one, tolerant_cursor
 from payhook.errors import NotFound, PayhookError
+from payhook.gateways.storable import character_problem, storable_event_id
 from payhook.queue import APPLY_EVENT, events_queue, redis_connection
 from payhook.settings import Settings, parse_duration
 
@@ -68,21 +69,41 @@ class Trace:
 
 
 def trace_event(conn: psycopg.Connection[Row], tenant_id: str, event_id: str) -> Trace:
-    key = {"tenant_id": _uuid(tenant_id, "--tenant"), "event_id": event_id}
-    trace = Trace(tenant_id=key["tenant_id"], event_id=event_id)
-    trace.receipt = fetch_one(conn, "trace_receipt", key)
-    trace.transitions = fetch_all(conn, "trace_transitions", key)
-    order_id = trace.receipt["order_id"] if trace.receipt else None
-    if order_id is None and trace.transitions:
-        order_id = trace.transitions[0]["order_id"]
-    if order_id is not None:
-        trace.order = fetch_one(
-            conn, "trace_order", {"tenant_id": key["tenant_id"], "order_id": order_id}
-        )
-    trace.outbox = fetch_all(conn, "trace_outbox", key)
-    trace.exceptions = fetch_all(conn, "trace_exceptions", key)
-    trace.anomalies = fetch_all(conn, "trace_anomalies", key)
+    """What payhook recorded about `event_id`: the id as stored, or the
+    gateway's id of an event stored under a digest of it.
+
+    Whatever was stored is shown: a time Python cannot hold is its text.
+    """
+    tenant = _uuid(tenant_id, "--tenant")
+    with tolerant_cursor(conn) as cur:
+        ids = _stored_ids(event_id)
+        key = {"tenant_id": tenant, "event_id": ids[0]}
+        receipt = None
+        for stored in ids:
+            receipt = fetch_one(cur, "trace_receipt", key | {"event_id": stored})
+            if receipt is not None:
+                key["event_id"] = stored
+                break
+        trace = Trace(tenant_id=tenant, event_id=key["event_id"], receipt=receipt)
+        trace.transitions = fetch_all(cur, "trace_transitions", key)
+        order_id = trace.receipt["order_id"] if trace.receipt else None
+        if order_id is None and trace.transitions:
+            order_id = trace.transitions[0]["order_id"]
+        if order_id is not None:
+            trace.order = fetch_one(cur, "trace_order", {"tenant_id": tenant, "order_id": order_id})
+        trace.outbox = fetch_all(cur, "trace_outbox", key)
+        trace.exceptions = fetch_all(cur, "trace_exceptions", key)
+        trace.anomalies = fetch_all(cur, "trace_anomalies", key)
     return trace
+
+
+def _stored_ids(event_id: str) -> list[str]:
+    """The ids an event named `event_id` may be stored under: that one, if
+    PostgreSQL can hold it, then the one a gateway's id maps to."""
+    ids = [event_id] if character_problem(event_id) is None else []
+    if storable_event_id(event_id) != event_id:
+        ids.append(storable_event_id(event_id))
+    return ids
 
 
 def format_trace(trace: Trace) -> str:
@@ -402,8 +423,11 @@ def _json_value(value: Any) -> Any:
     return str(value)
 
 
-def _when(value: datetime | None) -> str:
-    return value.isoformat(timespec="seconds") if value else "-"
+def _when(value: datetime | str | None) -> str:
+    """A time as the trace shows it; one Python cannot hold arrives as PostgreSQL's text."""
+    if isinstance(value, datetime):
+        return value.isoformat(timespec="seconds")
+    return value or "-"
 
 
 def _limit(limit: int) -> int:

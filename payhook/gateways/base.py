@@ -21,6 +21,9 @@ KINDS = ("succeeded", "failed", "refunded", "disputed")
 #: is compared with every secret, and an 8 MB header of empty entries held
 #: the ingress's event loop for over half a second.
 MAX_SIGNATURE_HEADER = 4096
+#: Characters an identifier or type read from an event may hold: an index row
+#: holds a few thousand bytes, and no gateway's identifiers come near this.
+MAX_TEXT = 255
 
 
 @dataclass(frozen=True)
@@ -144,9 +147,9 @@ def load_json_object(body: bytes) -> dict[str, Any]:
     try:
         data = json.loads(body)
     except (ValueError, RecursionError) as exc:
-        raise MalformedEvent(f"body is not JSON: {exc.__class__.__name__}") from None
+        raise MalformedEvent("body", f"not JSON ({exc.__class__.__name__})") from None
     if not isinstance(data, dict):
-        raise MalformedEvent("body is not a JSON object")
+        raise MalformedEvent("body", "not a JSON object")
     return data
 
 
@@ -154,15 +157,17 @@ def require_str(data: Mapping[str, Any], key: str, *, optional: bool = False) ->
     value = data.get(key)
     if value is None and optional:
         return None
-    if not isinstance(value, str) or not value or len(value) > 255:
-        raise MalformedEvent(f"{key}: expected a non-empty string")
+    if not isinstance(value, str) or not value:
+        raise MalformedEvent(key, "expected a non-empty string")
+    if len(value) > MAX_TEXT:
+        raise MalformedEvent(key, f"longer than {MAX_TEXT} characters")
     return value
 
 
 def require_amount(data: Mapping[str, Any], key: str) -> int:
     value = data.get(key)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0 or value >= 2**62:
-        raise MalformedEvent(f"{key}: expected a whole number of minor units")
+        raise MalformedEvent(key, "expected a whole number of minor units")
     return value
 
 
@@ -171,5 +176,5 @@ def require_currency(data: Mapping[str, Any], key: str) -> str:
     # ASCII letters only: `str.upper` turns some other letters into ASCII ones
     # (U+017F, a long s, into S) or into two (U+00DF into SS).
     if not isinstance(value, str) or len(value) != 3 or not (value.isascii() and value.isalpha()):
-        raise MalformedEvent(f"{key}: expected a three-letter currency code")
+        raise MalformedEvent(key, "expected a three-letter currency code")
     return value.upper()

@@ -18,6 +18,7 @@ from datetime import datetime
 from payhook.errors import MalformedEvent, MalformedHeaders, SignatureMismatch
 from payhook.gateways.base import (
     MAX_SIGNATURE_HEADER,
+    MAX_TEXT,
     Event,
     any_signature_matches,
     canonical_digest,
@@ -101,9 +102,9 @@ class StandardGateway:
         if occurred_at is None:
             # The horizon guard judges an event by this time: without it, an
             # event of any age would pass.
-            raise MalformedEvent("timestamp: expected an ISO 8601 time with its UTC offset")
+            raise MalformedEvent("timestamp", "expected an ISO 8601 time with its UTC offset")
         if not isinstance(payment, dict):
-            raise MalformedEvent("data: expected an object")
+            raise MalformedEvent("data", "expected an object")
         return Event(
             event_id=event_id,
             event_type=event_type,
@@ -148,7 +149,7 @@ def _read_headers(headers: Mapping[str, str]) -> tuple[str, int, list[bytes]]:
     event_id = headers.get("webhook-id", "")
     raw_timestamp = headers.get("webhook-timestamp", "")
     raw_signature = headers.get("webhook-signature", "")
-    if not event_id or len(event_id) > 255 or not raw_signature:
+    if not event_id or len(event_id) > MAX_TEXT or not raw_signature:
         raise MalformedHeaders()
     if len(raw_signature) > MAX_SIGNATURE_HEADER:
         raise MalformedHeaders()

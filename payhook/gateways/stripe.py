@@ -96,11 +96,11 @@ class StripeGateway:
         if occurred_at is None:
             # The horizon guard judges an event by this time: without it, an
             # event of any age would pass.
-            raise MalformedEvent("created: expected a Unix time in seconds")
+            raise MalformedEvent("created", "expected a Unix time in seconds")
         container = data.get("data")
         obj = container.get("object") if isinstance(container, dict) else None
         if not isinstance(obj, dict):
-            raise MalformedEvent("data.object: expected an object")
+            raise MalformedEvent("data.object", "expected an object")
         metadata = obj.get("metadata")
         reference = (
             require_str(metadata, "order_id", optional=True) if isinstance(metadata, dict) else None

@@ -85,6 +85,47 @@ def test_trace_shows_receipt_order_transition_and_outbox(
     assert status == 1 and "no record" in text
 
 
+@pytest.mark.parametrize("timezone_name", ["UTC", "Pacific/Kiritimati", "America/New_York"])
+def test_trace_shows_times_python_cannot_hold(
+    conn: psycopg.Connection[Row], factory: Factory, settings: Settings, timezone_name: str
+) -> None:
+    """Receipts stored before times were bounded: a payment dated past year
+    9999 in UTC, an archived receipt of year 1; whatever the session's zone."""
+    shop = factory.shop()
+    conn.execute(f"SET timezone = '{timezone_name}'")  # type: ignore[arg-type]
+    receipt = {
+        "tenant_id": shop.tenant_id,
+        "endpoint_id": shop.endpoint_id,
+        "delivery_id": str(uuid.uuid4()),
+    }
+    conn.execute(
+        "INSERT INTO payhook.payment_event_receipts (tenant_id, event_id, event_type,"
+        " payload_sha256, endpoint_id, gateway, delivery_id, occurred_at, processed_at, outcome)"
+        " VALUES (%(tenant_id)s, 'msg_far', 'payment.succeeded', repeat('a', 64),"
+        " %(endpoint_id)s, 'standard', %(delivery_id)s, '10000-01-01 13:59:59+00',"
+        " 'infinity', 'ignored')",
+        receipt,
+    )
+    conn.execute(
+        "INSERT INTO payhook.payment_event_receipts_archive (tenant_id, event_id, outcome,"
+        " payload_sha256, occurred_at, received_at, processed_at, archived_at)"
+        " VALUES (%(tenant_id)s, 'msg_old', 'ignored', sha256('x'::bytea), '0001-01-01 00:00+00',"
+        " '0001-01-01 00:00+00', '0001-01-01 00:00+00', now())",
+        receipt,
+    )
+    for event_id in ("msg_far", "msg_old"):
+        trace = operations.trace_event(conn, shop.tenant_id, event_id)
+        assert trace.found
+        text = operations.format_trace(trace)
+        assert "outcome=ignored" in text
+        assert json.loads(json.dumps(trace.__dict__, default=str))["event_id"] == event_id
+    far = operations.format_trace(operations.trace_event(conn, shop.tenant_id, "msg_far"))
+    assert "processed=infinity" in far
+    for argv in ([], ["--json"]):
+        status, text = run(settings, "trace", "msg_far", "--tenant", shop.tenant_id, *argv)
+        assert status == 0 and "infinity" in text
+
+
 def test_exceptions_list_shows_open_ones_and_anomalies_list_the_conflicts(
     conn: psycopg.Connection[Row], factory: Factory, settings: Settings
 ) -> None:
