@@ -23,7 +23,7 @@ from rq import get_current_job
 
 from consumer.handler import Runtime, handle
 from consumer.transaction import Applied
-from payhook.db import cancel_waiting
+from payhook.db import cancel_waiting, error_summary
 from payhook.errors import DatabaseError, PayhookError, RefusedJob
 
 log = structlog.get_logger(__name__)
@@ -138,7 +138,7 @@ def _apply(runtime: Runtime, envelope: Any) -> Applied:
         # What RQ keeps and logs of a failed job: the class and SQLSTATE. The
         # error's own text may quote the event (PostgreSQL's context shows
         # the JSON it could not read), and so would a chained traceback.
-        raise DatabaseError(f"{exc.__class__.__name__}, SQLSTATE {exc.sqlstate}") from None
+        raise DatabaseError(error_summary(exc)) from None
     else:
         log.info("event_applied", outcome=result.outcome, retries=result.retries)
         return result

@@ -33,7 +33,7 @@ from psycopg import pq
 from psycopg.types.json import Jsonb
 
 from consumer.rules import Decision, Order, decide
-from payhook.db import Row, execute, fetch_all, fetch_one
+from payhook.db import Row, error_summary, execute, fetch_all, fetch_one
 from payhook.errors import NotFound, PayhookError
 from payhook.gateways import Event
 from payhook.queries import query
@@ -185,7 +185,7 @@ def replay_parked(conn: psycopg.Connection[Row], tenant_id: str, order_id: str) 
             conn, "parked_exceptions", {"tenant_id": tenant_id, "order_id": order_id}
         )
     except Exception as exc:
-        log.warning("parked_events_unread", order_id=order_id, error=repr(exc))
+        log.warning("parked_events_unread", order_id=order_id, error=error_summary(exc))
         _drop_if_busy(conn)
         return
     for row in waiting:
@@ -198,13 +198,17 @@ def replay_parked(conn: psycopg.Connection[Row], tenant_id: str, order_id: str) 
             continue
         except psycopg.Error as exc:
             # A lock not had in time, say: that transaction is rolled back.
-            log.warning("parked_event_replay_failed", exception_id=row["id"], error=repr(exc))
+            log.warning(
+                "parked_event_replay_failed", exception_id=row["id"], error=error_summary(exc)
+            )
             if _drop_if_busy(conn):
                 return
             continue
         except Exception as exc:
             # Interrupted (the job's timeout): no more replays in this job.
-            log.warning("parked_event_replay_interrupted", exception_id=row["id"], error=repr(exc))
+            log.warning(
+                "parked_event_replay_interrupted", exception_id=row["id"], error=error_summary(exc)
+            )
             _drop_if_busy(conn)
             return
         log.info(

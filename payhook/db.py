@@ -253,3 +253,11 @@ def tolerant_cursor(conn: psycopg.Connection[Row]) -> psycopg.Cursor[Row]:
     cursor = conn.cursor()
     cursor.adapters.register_loader("timestamptz", _TimestamptzOrText)
     return cursor
+
+
+def error_summary(exc: BaseException) -> str:
+    """What may be logged or kept of an error: its class, and the SQLSTATE of
+    PostgreSQL's, whose text may quote the data it could not read."""
+    sqlstate = getattr(exc, "sqlstate", None)
+    name = exc.__class__.__name__
+    return f"{name}, SQLSTATE {sqlstate}" if sqlstate else name
