@@ -313,6 +313,34 @@ def test_a_dead_letter_with_odd_fields_is_requeued_and_stops_no_other(
         assert redis_conn.ttl(job.key) == -1, name
 
 
+def test_a_job_rewritten_while_it_is_requeued_is_checked_again(
+    factory: Factory, settings: Settings, redis_conn: Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The call put on the queue is the one checked: a hash rewritten between
+    the check and the move (here to run another function) is read and checked
+    again, and refused."""
+    shop = factory.shop()
+    queue = events_queue(redis_conn, settings)
+    job = dead_letter(
+        redis_conn,
+        queue,
+        enqueue_event(queue, factory.standard_envelope(shop, StandardEvent()), settings),
+    )
+    forged = queue.create_job("os.system", args=("true",))
+    read_job = operations._read_job
+
+    def rewritten_after_read(redis: Redis, job_id: str) -> Any:
+        read = read_job(redis, job_id)
+        redis_conn.hset(job.key, "data", forged.to_dict()["data"])
+        return read
+
+    monkeypatch.setattr(operations, "_read_job", rewritten_after_read)
+    with pytest.raises(NotRequeueable, match="not a payhook event job"):
+        requeue_dead_letter(redis_conn, settings, job.id)
+    assert queue.get_job_ids() == []
+    assert FailedJobRegistry(queue=queue).get_job_ids() == [job.id]
+
+
 def test_a_requeued_job_loses_the_dead_letter_expiry(
     factory: Factory, settings: Settings, redis_conn: Redis
 ) -> None:
