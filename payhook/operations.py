@@ -282,25 +282,27 @@ def _read_job(redis: Redis, job_id: str) -> tuple[Job, dict[bytes, bytes]]:
 
 
 #: Moves one job id from a dead-letter queue (FailedJobRegistry) onto its RQ
-#: queue, with the job's hash rewritten as queued, or does nothing and says why.
-#: KEYS: registry, queue, job hash, RQ's set of queues. ARGV: job id, the call
-#: data and origin the job was checked with, then field/value pairs to write.
-#: Redis rolls back neither a transaction nor a script whose command fails, so
-#: every key is checked before the first write and no write can fail after
-#: another succeeded; the id leaves the registry last. The shebang makes Redis
-#: refuse the whole script up front when it is out of memory.
+#: queue, with the job's hash marked queued, or does nothing and says why.
+#: KEYS: registry, queue, job hash, RQ's set of queues. ARGV: the job id, the
+#: number of fields of its hash as read and checked, those fields and values,
+#: then the field/value pairs to write. Redis rolls back neither a transaction
+#: nor a script whose command fails, so every key is checked before the first
+#: write and no write can fail after another succeeded; the id leaves the
+#: registry last. The shebang makes Redis refuse the whole script up front
+#: when it is out of memory.
 REQUEUE_SCRIPT = """#!lua
 local registry, queue, job, queues = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local id = ARGV[1]
+local id, n = ARGV[1], tonumber(ARGV[2])
 if redis.call('TYPE', registry).ok ~= 'zset' or not redis.call('ZSCORE', registry, id) then
   return 'absent'
 end
-if redis.call('TYPE', job).ok ~= 'hash' then
-  return 'gone'
-end
-local stored = redis.call('HMGET', job, 'data', 'origin')
-if stored[1] ~= ARGV[2] or stored[2] ~= ARGV[3] then
+if redis.call('TYPE', job).ok ~= 'hash' or redis.call('HLEN', job) ~= n then
   return 'changed'
+end
+for i = 3, 2 + 2 * n, 2 do
+  if redis.call('HGET', job, ARGV[i]) ~= ARGV[i + 1] then
+    return 'changed'
+  end
 end
 local kind = redis.call('TYPE', queue).ok
 if kind ~= 'list' and kind ~= 'none' then
@@ -308,9 +310,9 @@ if kind ~= 'list' and kind ~= 'none' then
 end
 kind = redis.call('TYPE', queues).ok
 if kind ~= 'set' and kind ~= 'none' then
-  return 'the set of queues is not a set'
+  return 'set of queues is not a set'
 end
-redis.call('HSET', job, unpack(ARGV, 4))
+redis.call('HSET', job, unpack(ARGV, 3 + 2 * n))
 redis.call('PERSIST', job)
 redis.call('SADD', queues, queue)
 redis.call('RPUSH', queue, id)
@@ -327,7 +329,8 @@ def _requeue(
     intervals: list[int],
 ) -> bool:
     """Take `job` out of the registry and put it on `queue` in one Redis script;
-    False when its hash changed since `stored` was read (read it again).
+    False when its hash is no longer `stored`, the hash it was read from (read
+    and check it again).
 
     RQ's `FailedJobRegistry.requeue` removes the job from the registry, then
     enqueues it, in two round trips. Enqueueing with RQ inside one MULTI/EXEC
@@ -338,8 +341,10 @@ def _requeue(
     takes it out of the registry only then: the only copy of an acknowledged
     event is in one of the two, whenever a connection or process dies, and
     two requeues of one job (two operators, a double click) put it on the
-    queue once. The hash is not rewritten from what RQ read (a field RQ could
-    not write back would stop the move): only the fields a requeue changes are.
+    queue once. The hash moved is the one read and checked, field for field,
+    so a hash rewritten meanwhile, or made unreadable, is never moved; it is
+    not rewritten from what RQ read either (a field RQ could not write back
+    would stop the move): only the fields a requeue changes are written.
     """
     fields: dict[str, str | int] = {
         "status": JobStatus.QUEUED.value,
@@ -354,8 +359,8 @@ def _requeue(
         keys=[registry.key, queue.key, job.key, queue.redis_queues_keys],
         args=[
             job.id,
-            stored.get(b"data", b""),
-            stored.get(b"origin", b""),
+            len(stored),
+            *(part for pair in stored.items() for part in pair),
             *(part for pair in fields.items() for part in pair),
         ],
     )
@@ -368,9 +373,7 @@ def _requeue(
         return False
     if outcome == "absent":
         raise NotRequeueable(f"job {job.id} is not in the dead-letter queue")
-    if outcome == "gone":
-        raise NotRequeueable(f"job {job.id} expired while it was requeued")
-    raise NotRequeueable(f"job {job.id} is left in the dead-letter queue: the {outcome}")
+    raise NotRequeueable(f"job {job.id} is left in the dead-letter queue: its {outcome}")
 
 
 def requeue_all_dead_letters(redis: Redis, settings: Settings) -> tuple[list[str], list[str]]:

@@ -313,12 +313,24 @@ def test_a_dead_letter_with_odd_fields_is_requeued_and_stops_no_other(
         assert redis_conn.ttl(job.key) == -1, name
 
 
+@pytest.mark.parametrize(
+    ("rewrite", "reason"),
+    [
+        ("another_call", "not a payhook event job"),
+        ("unreadable", "cannot be read"),
+    ],
+)
 def test_a_job_rewritten_while_it_is_requeued_is_checked_again(
-    factory: Factory, settings: Settings, redis_conn: Redis, monkeypatch: pytest.MonkeyPatch
+    factory: Factory,
+    settings: Settings,
+    redis_conn: Redis,
+    monkeypatch: pytest.MonkeyPatch,
+    rewrite: str,
+    reason: str,
 ) -> None:
-    """The call put on the queue is the one checked: a hash rewritten between
-    the check and the move (here to run another function) is read and checked
-    again, and refused."""
+    """The hash put on the queue is the one checked: a hash rewritten between
+    the check and the move (to run another function, or so that RQ cannot read
+    it) is read and checked again, and refused, still a dead letter."""
     shop = factory.shop()
     queue = events_queue(redis_conn, settings)
     job = dead_letter(
@@ -326,19 +338,23 @@ def test_a_job_rewritten_while_it_is_requeued_is_checked_again(
         queue,
         enqueue_event(queue, factory.standard_envelope(shop, StandardEvent()), settings),
     )
-    forged = queue.create_job("os.system", args=("true",))
+    fields = {
+        "another_call": {"data": queue.create_job("os.system", args=("true",)).to_dict()["data"]},
+        "unreadable": {"created_at": "not a date"},
+    }[rewrite]
     read_job = operations._read_job
 
     def rewritten_after_read(redis: Redis, job_id: str) -> Any:
         read = read_job(redis, job_id)
-        redis_conn.hset(job.key, "data", forged.to_dict()["data"])
+        redis_conn.hset(job.key, mapping=fields)
         return read
 
     monkeypatch.setattr(operations, "_read_job", rewritten_after_read)
-    with pytest.raises(NotRequeueable, match="not a payhook event job"):
+    with pytest.raises(NotRequeueable, match=reason):
         requeue_dead_letter(redis_conn, settings, job.id)
     assert queue.get_job_ids() == []
     assert FailedJobRegistry(queue=queue).get_job_ids() == [job.id]
+    assert redis_conn.hget(job.key, "status") == b"failed"
 
 
 def test_a_requeued_job_loses_the_dead_letter_expiry(
