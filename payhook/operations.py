@@ -259,8 +259,8 @@ def fetch_job(redis: Redis, job_id: str) -> Job:
 
 
 def _read_job(redis: Redis, job_id: str) -> tuple[Job, dict[bytes, bytes]]:
-    """The job `job_id` and the hash it was read from, read in one command, as
-    `fetch_job` reads it."""
+    """The job `job_id` and the hash it was restored from, read in one command;
+    raises as `fetch_job` says."""
     try:
         job = Job(parse_job_id(job_id), connection=redis, serializer=JSONSerializer)
     except (TypeError, ValueError) as exc:
