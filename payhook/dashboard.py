@@ -14,8 +14,11 @@ rq-dashboard 0.9 as shipped does not fit payhook, so this module wraps it:
   from: here a state change must be a POST from the dashboard's own pages,
   carrying the `_csrf_token` cookie's value in `X-CSRFToken` (its own
   JavaScript already sends it), and no browser may frame the pages;
-- deleting jobs is off: a dead-letter job is the only copy of an event the
-  gateway will not send again;
+- its Compact, Empty and Delete actions drop job ids, or move them one at a
+  time where a dashboard stopped midway strands them: here each is refused,
+  whatever the method or token (403, logged; `REFUSED` says why), and its
+  buttons are hidden; requeueing is the one action that moves jobs, one
+  atomic move per job (`payhook.operations`);
 - its job lists stop at the first job RQ cannot read (a forged or damaged
   hash or result): here such a job is listed as unreadable beside the others;
 - its pages print job ids and worker fields as HTML, unescaped: here an id RQ
@@ -45,6 +48,7 @@ import secrets
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from html import escape
@@ -54,6 +58,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import structlog
 from flask import Flask, Response, current_app, jsonify, render_template, request, url_for
+from jinja2 import ChoiceLoader, DictLoader, PrefixLoader
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from redis import Redis
 from rq import Queue, Worker
@@ -70,6 +75,7 @@ from rq.registry import (
 from rq.serializers import JSONSerializer
 from rq.utils import utcparse
 from rq.worker import BaseWorker
+from werkzeug.exceptions import HTTPException, MethodNotAllowed
 from werkzeug.serving import make_server
 
 from payhook.alerts import AlertCollector, AlertConfig, AlertsUnavailable, Signal, read_signals
@@ -99,15 +105,36 @@ CSRF_COOKIE = "_csrf_token"
 #: Header the dashboard's JavaScript puts that token in.
 CSRF_HEADER = "X-CSRFToken"
 #: Views that change state: POST only, and only from the dashboard's own pages.
-STATE_CHANGING = frozenset(
-    {
-        "rq_dashboard.requeue_job_view",
-        "rq_dashboard.requeue_all",
-        "rq_dashboard.delete_job_view",
-        "rq_dashboard.empty_queue",
-        "rq_dashboard.compact_queue",
-    }
-)
+STATE_CHANGING = frozenset({"rq_dashboard.requeue_job_view", "rq_dashboard.requeue_all"})
+#: rq-dashboard's actions that drop job ids or move them one at a time, and why
+#: each is refused: whatever the method or token, they never run here. A
+#: dead-letter job is the only copy of an event the gateway acknowledged and
+#: will not send again; the consumer records what it cannot apply, so such an
+#: event is requeued, never deleted.
+REFUSED = {
+    "rq_dashboard.compact_queue": (
+        "compacting renames the queue, then moves its job ids back one at a time: "
+        "a dashboard stopped midway strands them outside the queue"
+    ),
+    "rq_dashboard.empty_queue": (
+        "emptying deletes every job listed, each one an acknowledged event "
+        "the gateway will not send again"
+    ),
+    "rq_dashboard.delete_job_view": (
+        "deleting a job deletes the only copy of an acknowledged event; "
+        "requeue it instead, and the consumer records what it cannot apply"
+    ),
+}
+#: rq-dashboard's jobs page as shipped, with the buttons of the refused actions
+#: hidden (Empty and Delete are hidden by `RQ_DASHBOARD_DISABLE_DELETE` too).
+JOBS_PAGE = """{% extends "shipped/rq_dashboard/jobs.html" %}
+{% block content %}
+<style>
+#compact-btn, #empty-btn, [data-role=delete-job-btn] { display: none !important; }
+</style>
+{{ super() }}
+{% endblock %}
+"""
 #: Paths answered without credentials.
 PUBLIC_PATHS = frozenset({"/healthz"})
 #: Milliseconds between two refreshes of a dashboard page.
@@ -195,6 +222,14 @@ def create_app(settings: Settings, user: str, password: str) -> Flask:
     # The pages ask for `/static/...` from both the app and the blueprint: serve
     # rq-dashboard's files from both, as its own command does.
     app = Flask(__name__, static_folder=web.blueprint.static_folder)
+    # Pages named here replace rq-dashboard's, which stay reachable as
+    # "shipped/<name>" for these to extend.
+    app.jinja_loader = ChoiceLoader(
+        [
+            DictLoader({"rq_dashboard/jobs.html": JOBS_PAGE}),
+            PrefixLoader({"shipped": web.blueprint.jinja_loader}),
+        ]
+    )
     app.config.from_object(rq_dashboard.default_settings)
     app.config.update(
         # Shown in every page's navbar, and nothing else: the views use `redis`.
@@ -241,6 +276,9 @@ def create_app(settings: Settings, user: str, password: str) -> Flask:
                 401,
                 {"WWW-Authenticate": 'Basic realm="payhook dashboard", charset="UTF-8"'},
             )
+        endpoint = _requested_endpoint()
+        if endpoint in REFUSED:
+            return refuse(endpoint)
         if request.endpoint in STATE_CHANGING:
             refusal = _refuse_forgery()
             if refusal is not None:
@@ -269,6 +307,30 @@ def create_app(settings: Settings, user: str, password: str) -> Flask:
                 httponly=False,  # the dashboard's JavaScript reads it
             )
         return response
+
+    def refuse(endpoint: str) -> Response:
+        log.warning(
+            "dashboard_action_refused",
+            endpoint=endpoint,
+            method=request.method,
+            user=user,
+        )
+        response, status = _answer(
+            "REFUSED",
+            403,
+            action=endpoint.removeprefix("rq_dashboard."),
+            reason=f"not offered by payhook's dashboard: {REFUSED[endpoint]}",
+        )
+        response.status_code = status
+        return response
+
+    def refused_view(endpoint: str) -> Callable[..., Response]:
+        # Never reached past `guard`; here so that rq-dashboard's view cannot
+        # run even if the guard stopped seeing it.
+        def view(**_: Any) -> Response:
+            return refuse(endpoint)
+
+        return view
 
     def use_one_instance() -> Response | None:
         # In place of rq-dashboard's, which connects to Redis for each request.
@@ -422,6 +484,8 @@ def create_app(settings: Settings, user: str, password: str) -> Flask:
     app.view_functions["rq_dashboard.job_view"] = job_view
     app.view_functions["rq_dashboard.job_info"] = job_info
     app.view_functions["rq_dashboard.list_workers"] = list_workers
+    for endpoint in REFUSED:
+        app.view_functions[endpoint] = refused_view(endpoint)
 
     @app.get("/healthz")
     def healthz() -> Response:
@@ -630,6 +694,24 @@ def _iso(value: datetime | None) -> str | None:
     if value is None:
         return None
     return (value if value.tzinfo else value.replace(tzinfo=UTC)).astimezone(UTC).isoformat()
+
+
+def _requested_endpoint() -> str | None:
+    """The view the request's path names, whatever its method: Flask leaves
+    `request.endpoint` empty for a method the route does not take."""
+    if request.url_rule is not None:
+        return str(request.url_rule.endpoint)
+    refused = request.routing_exception
+    if not isinstance(refused, MethodNotAllowed) or not refused.valid_methods:
+        return None
+    adapter = current_app.create_url_adapter(request)
+    if adapter is None:
+        return None
+    try:
+        endpoint, _ = adapter.match(method=next(iter(refused.valid_methods)))
+    except HTTPException:
+        return None
+    return str(endpoint)
 
 
 def _refuse_forgery() -> str | None:

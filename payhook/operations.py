@@ -11,7 +11,7 @@
 A dead-letter job is requeued with the JSON serializer and a fresh retry
 budget, and only when it is an `apply_event` job of the events queue: nothing
 else is ever put in front of a consumer. It leaves the dead-letter queue and
-joins the events queue in one Redis transaction.
+joins the events queue in one Redis script.
 """
 
 from __future__ import annotations
@@ -27,12 +27,13 @@ from typing import Any, TextIO
 
 import psycopg
 from redis import Redis
-from redis.exceptions import RedisError, WatchError
+from redis.exceptions import RedisError
 from rq import Queue
 from rq.exceptions import DeserializationError, NoSuchJobError
-from rq.job import Job
+from rq.job import Job, JobStatus, parse_job_id
 from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
+from rq.utils import now, utcformat
 
 from payhook.db import Row, connect, fetch_all, fetch_one, tolerant_cursor
 from payhook.errors import NotFound, PayhookError
@@ -42,7 +43,7 @@ from payhook.settings import Settings, parse_duration
 
 #: Most rows a list command prints at once.
 MAX_LIST_LIMIT = 10_000
-#: Tries of one requeue while other jobs keep landing in the dead-letter queue.
+#: Reads of one job to requeue while its hash keeps being rewritten.
 REQUEUE_ATTEMPTS = 10
 
 
@@ -257,67 +258,149 @@ def requeue_dead_letter(redis: Redis, settings: Settings, job_id: str) -> Job:
     """Move one dead-letter job back onto the events queue with a fresh retry budget."""
     queue = events_queue(redis, settings)
     registry = FailedJobRegistry(queue=queue)
-    job = fetch_job(redis, job_id)
-    if job.origin != queue.name:
-        raise NotRequeueable(f"job {job_id} belongs to queue {job.origin!r}, not {queue.name!r}")
-    if not _readable(job) or job.func_name != APPLY_EVENT:
-        raise NotRequeueable(f"job {job_id} is not a payhook event job; it is never requeued")
     intervals = list(settings.job_retry_intervals)
-    job.retries_left = len(intervals)
-    job.retry_intervals = intervals
-    return _requeue(registry, queue, job)
+    for _ in range(REQUEUE_ATTEMPTS):
+        job, stored = _read_job(redis, job_id)
+        if job.origin != queue.name:
+            raise NotRequeueable(
+                f"job {job_id} belongs to queue {job.origin!r}, not {queue.name!r}"
+            )
+        if not _readable(job) or job.func_name != APPLY_EVENT:
+            raise NotRequeueable(f"job {job_id} is not a payhook event job; it is never requeued")
+        if _requeue(registry, queue, job, stored, intervals):
+            return job
+    raise NotRequeueable(f"job {job_id} kept changing while it was requeued; try again")
 
 
 def fetch_job(redis: Redis, job_id: str) -> Job:
     """The job `job_id`: `NotFound` if there is none, `NotRequeueable` if RQ
     cannot read its hash (forged or damaged: one such job must not stop an
     operator from listing or requeuing the others)."""
+    return _read_job(redis, job_id)[0]
+
+
+def _read_job(redis: Redis, job_id: str) -> tuple[Job, dict[bytes, bytes]]:
+    """The job `job_id` and the hash it was restored from, read in one command;
+    raises as `fetch_job` says."""
     try:
-        return Job.fetch(job_id, connection=redis, serializer=JSONSerializer)
-    except NoSuchJobError as exc:
-        if redis.exists(Job.key_for(job_id)):
-            raise NotRequeueable(f"job {job_id} cannot be read: {exc}") from None
-        raise NotFound(f"no job {job_id}") from None
+        job = Job(parse_job_id(job_id), connection=redis, serializer=JSONSerializer)
+    except (TypeError, ValueError) as exc:
+        raise NotRequeueable(f"job {job_id} cannot be read ({exc})") from None
+    stored: dict[bytes, bytes] = redis.hgetall(job.key)  # type: ignore[assignment]
+    if not stored:
+        raise NotFound(f"no job {job_id}")
+    try:
+        job.restore(stored)
     except RedisError:
         raise
+    except NoSuchJobError as exc:
+        raise NotRequeueable(f"job {job_id} cannot be read: {exc}") from None
     except Exception as exc:  # whatever a malformed field raises in RQ
         raise NotRequeueable(
             f"job {job_id} cannot be read ({exc.__class__.__name__}: {exc})"
         ) from None
+    return job, stored
 
 
-def _requeue(registry: FailedJobRegistry, queue: Queue, job: Job) -> Job:
-    """Take `job` out of the registry and put it on `queue`, in one MULTI/EXEC.
+#: Moves one job id from a dead-letter queue (FailedJobRegistry) onto its RQ
+#: queue, with the job's hash marked queued, or does nothing and says why.
+#: KEYS: registry, queue, job hash, RQ's set of queues. ARGV: the job id, the
+#: number of fields of its hash as read and checked, those fields and values,
+#: then the field/value pairs to write. Redis rolls back neither a transaction
+#: nor a script whose command fails, so every key is checked before the first
+#: write and no write can fail after another succeeded; the id leaves the
+#: registry last. The shebang makes Redis refuse the whole script up front
+#: when it is out of memory.
+REQUEUE_SCRIPT = """#!lua
+local registry, queue, job, queues = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local id, n = ARGV[1], tonumber(ARGV[2])
+if redis.call('TYPE', registry).ok ~= 'zset' or not redis.call('ZSCORE', registry, id) then
+  return 'absent'
+end
+if redis.call('TYPE', job).ok ~= 'hash' or redis.call('HLEN', job) ~= n then
+  return 'changed'
+end
+for i = 3, 2 + 2 * n, 2 do
+  if redis.call('HGET', job, ARGV[i]) ~= ARGV[i + 1] then
+    return 'changed'
+  end
+end
+local kind = redis.call('TYPE', queue).ok
+if kind ~= 'list' and kind ~= 'none' then
+  return 'queue is not a list'
+end
+kind = redis.call('TYPE', queues).ok
+if kind ~= 'set' and kind ~= 'none' then
+  return 'set of queues is not a set'
+end
+redis.call('HSET', job, unpack(ARGV, 3 + 2 * n))
+redis.call('PERSIST', job)
+redis.call('SADD', queues, queue)
+redis.call('RPUSH', queue, id)
+redis.call('ZREM', registry, id)
+return 'requeued'
+"""
+
+
+def _requeue(
+    registry: FailedJobRegistry,
+    queue: Queue,
+    job: Job,
+    stored: dict[bytes, bytes],
+    intervals: list[int],
+) -> bool:
+    """Take `job` out of the registry and put it on `queue` in one Redis script;
+    False when its hash is no longer `stored`, the hash it was read from (read
+    and check it again).
 
     RQ's `FailedJobRegistry.requeue` removes the job from the registry, then
-    enqueues it, in two round trips: a connection lost between them would
-    leave the only copy of an acknowledged event in neither. Here both happen
-    or neither does, and the registry is watched, so that two requeues of one
-    job (two operators, a double click) put it on the queue once.
+    enqueues it, in two round trips. Enqueueing with RQ inside one MULTI/EXEC
+    is not enough either: Redis runs a transaction's commands one by one and
+    keeps those that succeeded when one fails, and RQ's `enqueue_job` leaves a
+    job whose hash says "deferred" off the queue. Here the script checks
+    everything before it writes, pushes the id whatever the hash says, and
+    takes it out of the registry only then: the only copy of an acknowledged
+    event is in one of the two, whenever a connection or process dies, and
+    two requeues of one job (two operators, a double click) put it on the
+    queue once. The hash moved is the one read and checked, field for field,
+    so a hash rewritten meanwhile, or made unreadable, is never moved; it is
+    not rewritten from what RQ read either (a field RQ could not write back
+    would stop the move): only the fields a requeue changes are written.
     """
-    for _ in range(REQUEUE_ATTEMPTS):
-        with registry.connection.pipeline() as pipe:
-            try:
-                pipe.watch(registry.key)  # type: ignore[no-untyped-call]
-                if pipe.zscore(registry.key, job.id) is None:
-                    raise NotRequeueable(f"job {job.id} is not in the dead-letter queue")
-                job.started_at = job.ended_at = None
-                pipe.multi()
-                pipe.zrem(registry.key, job.id)
-                queue.enqueue_job(job, pipeline=pipe)
-                # The job key kept the dead-letter queue's expiry (30 days from
-                # the failure), which enqueueing leaves alone: a job waiting on
-                # the queue must not expire there.
-                pipe.persist(job.key)
-                pipe.execute()
-                return job
-            except WatchError:
-                continue  # the registry changed meanwhile (another job failed): look again
-    raise NotRequeueable(f"job {job.id}: the dead-letter queue kept changing; try again")
+    fields: dict[str, str | int] = {
+        "status": JobStatus.QUEUED.value,
+        "enqueued_at": utcformat(now()),
+        "started_at": "",
+        "ended_at": "",
+        "retries_left": len(intervals),
+        "retry_intervals": json.dumps(intervals),
+    }
+    move = registry.connection.register_script(REQUEUE_SCRIPT)
+    answer = move(
+        keys=[registry.key, queue.key, job.key, queue.redis_queues_keys],
+        args=[
+            job.id,
+            len(stored),
+            *(part for pair in stored.items() for part in pair),
+            *(part for pair in fields.items() for part in pair),
+        ],
+    )
+    outcome = answer.decode() if isinstance(answer, bytes) else str(answer)
+    if outcome == "requeued":
+        job.retries_left = len(intervals)
+        job.retry_intervals = intervals
+        return True
+    if outcome == "changed":
+        return False
+    if outcome == "absent":
+        raise NotRequeueable(f"job {job.id} is not in the dead-letter queue")
+    raise NotRequeueable(f"job {job.id} is left in the dead-letter queue: its {outcome}")
 
 
 def requeue_all_dead_letters(redis: Redis, settings: Settings) -> tuple[list[str], list[str]]:
-    """Requeue every dead-letter event job; the ids requeued and the ids refused."""
+    """Requeue every dead-letter event job, one atomic move each; the ids requeued
+    and the ids refused. Stopped anywhere, it leaves each job in the dead-letter
+    queue or on the events queue."""
     registry = FailedJobRegistry(queue=events_queue(redis, settings))
     requeued: list[str] = []
     refused: list[str] = []

@@ -150,6 +150,20 @@ def test_an_operator_requeues_a_dead_letter_job_in_the_browser_and_it_is_applied
         assert factory.order_state(shop, order_id) == "paid"
         assert factory.count("payment_outbox", order_id=order_id) == 1
         assert FailedJobRegistry(queue=queue).get_job_ids() == []
+
+        # Compact, Empty and Delete are refused by the server; no page shows them.
+        refused = "#compact-btn, #empty-btn, [data-role=delete-job-btn]"
+        for registry in ("queued", "failed"):
+            view = f"/0/view/jobs/{quick.queue}/{registry}/8/asc/1"
+            browser.get(f"http://{USER}:{PASSWORD}@127.0.0.1:{port}{view}")
+            WebDriverWait(browser, 30).until(
+                lambda b: "Loading" not in b.find_element(By.ID, "jobs").text
+            )
+            shown = [b for b in browser.find_elements(By.CSS_SELECTOR, refused) if b.is_displayed()]
+            assert shown == [], registry
+            if registry == "queued":
+                assert browser.find_elements(By.ID, "compact-btn"), "rq-dashboard's page, hidden"
+        assert browser.find_element(By.ID, "requeue-all-btn").is_displayed()
     finally:
         stop(dashboard)
         stop(broken)

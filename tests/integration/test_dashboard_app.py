@@ -20,8 +20,16 @@ from rq.job import Job
 from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 from rq.worker_registration import REDIS_WORKER_KEYS
+from structlog.testing import capture_logs
 
-from payhook.dashboard import CSRF_COOKIE, CSRF_HEADER, create_app
+from payhook.dashboard import (
+    CSRF_COOKIE,
+    CSRF_HEADER,
+    REFUSED,
+    REGISTRIES,
+    STATE_CHANGING,
+    create_app,
+)
 from payhook.db import connect
 from payhook.queue import enqueue_event, events_queue
 from payhook.settings import Settings
@@ -125,6 +133,126 @@ def test_state_changes_refuse_get_and_forged_posts(
     answer = client.post(requeue_all, headers=own_page(csrf))
     assert answer.get_json() == {"status": "OK", "count": 1, "refused": []}
     assert events_queue(redis_conn, settings).get_job_ids() == [job.id]
+
+
+#: HTTP methods a refused action is tried with.
+METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
+
+
+def refused_paths(queue: str, job_ids: list[str]) -> list[str]:
+    """rq-dashboard's actions that drop job ids or move them one at a time."""
+    empty = [f"/queue/{queue}/{name}/empty" for name in ("queued", *REGISTRIES)]
+    return [f"/queue/{queue}/compact", *empty, *(f"/job/{job_id}/delete" for job_id in job_ids)]
+
+
+def jobs_in_redis(redis_conn: Redis, settings: Settings) -> dict[str, Any]:
+    """Where every job of the events queue is, and which job hashes exist."""
+    queue = events_queue(redis_conn, settings)
+    return {
+        "queued": queue.get_job_ids(),
+        "failed": FailedJobRegistry(queue=queue).get_job_ids(),
+        "hashes": sorted(redis_conn.keys("rq:job:*")),
+        "compacting": redis_conn.keys("rq:queue:_compact:*"),
+    }
+
+
+def test_actions_that_drop_or_shuffle_job_ids_are_refused_whatever_the_request(
+    client: FlaskClient, factory: Factory, settings: Settings, redis_conn: Redis
+) -> None:
+    """Compact, empty and delete are refused, with any method, with or without
+    the anti-forgery token, logged, and every job stays where it was."""
+    failed = failed_event_job(factory, settings, redis_conn)
+    queue = events_queue(redis_conn, settings)
+    shop = factory.shop()
+    queued = [
+        enqueue_event(queue, factory.standard_envelope(shop, StandardEvent()), settings).id
+        for _ in range(3)
+    ]
+    before = jobs_in_redis(redis_conn, settings)
+    assert before["queued"] == queued and before["failed"] == [failed.id]
+    csrf = token(client)
+    for path in refused_paths(settings.queue, [failed.id, queued[0]]):
+        for method in METHODS:
+            for headers in (AUTH, own_page(csrf)):
+                with capture_logs() as logs:
+                    answer = client.open(path, method=method, headers=headers)
+                assert answer.status_code == 403, (method, path)
+                if method != "HEAD":
+                    body = answer.get_json()
+                    assert body["status"] == "REFUSED", (method, path)
+                    assert body["reason"].startswith("not offered by payhook's dashboard: ")
+                assert [log["event"] for log in logs] == ["dashboard_action_refused"]
+                assert logs[0]["method"] == method and logs[0]["user"] == USER
+        assert client.post(path, headers={}).status_code == 401
+    assert jobs_in_redis(redis_conn, settings) == before
+
+
+#: rq-dashboard's own views left in place: each reads Redis and writes nothing.
+READ_ONLY_VIEWS = {
+    "rq_dashboard.queues_overview",
+    "rq_dashboard.workers_overview",
+    "rq_dashboard.jobs_overview",
+    "rq_dashboard.list_queues",
+    "rq_dashboard.favicon",
+    "rq_dashboard.static",
+}
+
+
+def test_every_view_that_could_move_jobs_is_payhooks_own_or_refused(
+    client: FlaskClient, settings: Settings
+) -> None:
+    """Each rq-dashboard view that takes a POST either is replaced by one of
+    payhook's (requeue, one atomic move per job) or refuses, even past the
+    guard; every other view of rq-dashboard's own still in place only reads."""
+    app = client.application
+    for rule in app.url_map.iter_rules():
+        view = app.view_functions[rule.endpoint]
+        if not rule.endpoint.startswith("rq_dashboard."):
+            continue
+        if "POST" in (rule.methods or ()):
+            assert rule.endpoint in STATE_CHANGING | set(REFUSED), rule
+            assert view.__module__ == "payhook.dashboard", rule
+        elif view.__module__ != "payhook.dashboard":
+            assert rule.endpoint in READ_ONLY_VIEWS, rule
+    for endpoint in REFUSED:
+        with app.test_request_context(method="POST", headers=AUTH):
+            answer = app.view_functions[endpoint](job_id="x", queue_name="q", registry_name="r")
+        assert answer.status_code == 403, endpoint
+
+
+def test_compact_and_empty_of_an_empty_queue_are_refused_not_a_server_error(
+    client: FlaskClient, settings: Settings, redis_conn: Redis
+) -> None:
+    csrf = token(client)
+    for path in refused_paths(settings.queue, []):
+        answer = client.post(path, headers=own_page(csrf))
+        assert answer.status_code == 403, path
+        assert answer.get_json()["action"] in {"compact_queue", "empty_queue"}
+    assert jobs_in_redis(redis_conn, settings) == {
+        "queued": [],
+        "failed": [],
+        "hashes": [],
+        "compacting": [],
+    }
+
+
+#: The rule hiding the buttons of the refused actions from the jobs page.
+HIDDEN = "#compact-btn, #empty-btn, [data-role=delete-job-btn] { display: none !important; }"
+
+
+def test_the_jobs_page_hides_the_buttons_of_refused_actions(
+    client: FlaskClient, settings: Settings
+) -> None:
+    for registry in ("queued", "failed"):
+        page = client.get(f"/0/view/jobs/{settings.queue}/{registry}/8/asc/1", headers=AUTH)
+        assert page.status_code == 200
+        text = page.get_data(as_text=True)
+        assert HIDDEN in text
+        assert text.index(HIDDEN) < text.index('id="filter-form"'), "rq-dashboard's page follows"
+    requeue_all = f"/requeue/{settings.queue}"
+    assert requeue_all in client.get(
+        f"/0/view/jobs/{settings.queue}/failed/8/asc/1", headers=AUTH
+    ).get_data(as_text=True)
 
 
 def test_no_dashboard_view_unpickles_what_redis_holds(

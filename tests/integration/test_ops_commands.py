@@ -10,16 +10,17 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
 from redis import Redis
-from redis.client import Pipeline
+from redis.connection import Connection, ConnectionPool
 from redis.exceptions import ConnectionError as RedisConnectionError
 from rq import Queue
-from rq.job import Job
+from rq.job import Job, JobStatus
 from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 
@@ -203,32 +204,198 @@ def test_a_dead_letter_job_requeued_from_the_cli_is_applied_by_a_consumer(
     assert factory.order_state(shop, order_id) == "paid"
 
 
-def test_a_requeue_cut_off_midway_leaves_the_job_in_the_dead_letter_queue(
-    factory: Factory, settings: Settings, redis_conn: Redis, monkeypatch: pytest.MonkeyPatch
+@dataclass
+class Crash:
+    """Where a process dies among the commands it sends Redis: before its
+    command number `at` leaves, or (`after`) once it left, before its reply."""
+
+    at: int
+    after: bool
+    sent: int = 0
+    dead: bool = False
+
+
+def dying_client(url: str, crash: Crash) -> Redis:
+    """A client whose process dies where `crash` says: from then on nothing it
+    sends reaches Redis and no reply reaches it, whatever redis-py retries."""
+
+    class Dying(Connection):
+        def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+            if not crash.dead and crash.sent == crash.at and not crash.after:
+                crash.dead = True
+            if crash.dead:
+                raise RedisConnectionError("the process died")
+            super().send_packed_command(command, check_health)
+            crash.dead = crash.sent == crash.at
+            crash.sent += 1
+
+        def read_response(self, *args: Any, **kwargs: Any) -> Any:
+            if crash.dead:
+                raise RedisConnectionError("the process died")
+            return super().read_response(*args, **kwargs)
+
+    return Redis(connection_pool=ConnectionPool.from_url(url, connection_class=Dying))
+
+
+def test_a_requeue_cut_off_anywhere_leaves_the_job_in_exactly_one_place(
+    factory: Factory, settings: Settings, redis_conn: Redis
 ) -> None:
     """Out of the registry and onto the queue, or neither: a dead-letter job is
-    the only copy of an acknowledged event."""
+    the only copy of an acknowledged event. The requeuing process dies before
+    or after each command it sends in turn, until one requeue runs through."""
+    shop = factory.shop()
+    queue = events_queue(redis_conn, settings)
+    registry = FailedJobRegistry(queue=queue)
+    outcomes: set[tuple[bool, bool]] = set()
+    for at in range(100):
+        for after in (False, True):
+            job = dead_letter(
+                redis_conn,
+                queue,
+                enqueue_event(queue, factory.standard_envelope(shop, StandardEvent()), settings),
+            )
+            crash = Crash(at, after)
+            client = dying_client(settings.redis_url, crash)
+            try:
+                requeue_dead_letter(client, settings, job.id)
+            except RedisConnectionError:
+                assert crash.dead
+            finally:
+                client.close()
+            queued = queue.get_job_ids().count(job.id)
+            failed = registry.get_job_ids().count(job.id)
+            assert (queued, failed) in {(1, 0), (0, 1)}, (at, after)
+            outcomes.add((crash.dead, queued == 1))
+            if not crash.dead:
+                break
+            # as the operator does, once the dashboard or the command is back
+            if failed:
+                requeue_dead_letter(redis_conn, settings, job.id)
+            else:
+                with pytest.raises(NotRequeueable, match="not in the dead-letter queue"):
+                    requeue_dead_letter(redis_conn, settings, job.id)
+            assert queue.get_job_ids().count(job.id) == 1
+            assert job.id not in registry.get_job_ids()
+        else:
+            continue
+        break
+    else:
+        raise AssertionError("the requeue never ran through")
+    # died before the move, died after it, and one that ran through
+    assert outcomes == {(True, False), (True, True), (False, True)}
+
+
+def test_a_move_redis_cannot_finish_leaves_the_job_in_the_dead_letter_queue(
+    factory: Factory, settings: Settings, redis_conn: Redis
+) -> None:
+    """Redis runs each command of a MULTI/EXEC on its own and rolls none back: a
+    requeue whose push onto the queue fails in Redis (here the queue's key holds
+    something else) must not have taken the job out of the dead-letter queue."""
     shop = factory.shop()
     queue = events_queue(redis_conn, settings)
     envelope = factory.standard_envelope(shop, StandardEvent())
     job = dead_letter(redis_conn, queue, enqueue_event(queue, envelope, settings))
+    redis_conn.set(queue.key, "not a list")
 
-    def lost(self: Pipeline, raise_on_error: bool = True) -> list[Any]:
-        self.reset()
-        raise RedisConnectionError("connection lost")
-
-    with monkeypatch.context() as patched:
-        patched.setattr(Pipeline, "execute", lost)
-        with pytest.raises(RedisConnectionError):
-            requeue_dead_letter(redis_conn, settings, job.id)
-    assert FailedJobRegistry(queue=queue).get_job_ids() == [job.id]
-    assert queue.get_job_ids() == []
-    requeue_dead_letter(redis_conn, settings, job.id)
-    assert FailedJobRegistry(queue=queue).get_job_ids() == []
-    assert queue.get_job_ids() == [job.id]
-    with pytest.raises(NotRequeueable, match="not in the dead-letter queue"):
+    with pytest.raises(NotRequeueable, match="not a list"):
         requeue_dead_letter(redis_conn, settings, job.id)
+    status, text = run(settings, "dlq", "requeue", "--all")
+    assert (status, json.loads(text)) == (1, {"requeued": [], "refused": [job.id]})
+    assert FailedJobRegistry(queue=queue).get_job_ids() == [job.id]
+    stored = Job.fetch(job.id, connection=redis_conn, serializer=JSONSerializer)
+    assert stored.get_status() == JobStatus.FAILED
+
+    redis_conn.delete(queue.key)
+    requeue_dead_letter(redis_conn, settings, job.id)
     assert queue.get_job_ids() == [job.id]
+    assert FailedJobRegistry(queue=queue).get_job_ids() == []
+
+
+#: Fields of a dead-letter job's hash that RQ's enqueueing reads, and a value
+#: each may hold in a damaged or hand-edited hash whose call is still payhook's.
+ODD_FIELDS: dict[str, dict[str, str]] = {
+    # RQ's enqueue leaves a deferred job off the queue, waiting for its dependencies.
+    "deferred": {"status": "deferred"},
+    "dependency": {"dependency_ids": json.dumps(["never-ran"])},
+    "rate_limited": {"rate_limit_key": "shop", "rate_limit_concurrency": "1"},
+    "unreadable_meta": {"meta": "not json"},
+}
+
+
+def test_a_dead_letter_with_odd_fields_is_requeued_and_stops_no_other(
+    factory: Factory, settings: Settings, redis_conn: Redis
+) -> None:
+    """Whatever else its hash says, a dead-letter event job is put on the queue
+    with the status queued, never taken out of the registry and left nowhere."""
+    shop = factory.shop()
+    queue = events_queue(redis_conn, settings)
+    jobs = {
+        name: dead_letter(
+            redis_conn,
+            queue,
+            enqueue_event(queue, factory.standard_envelope(shop, StandardEvent()), settings),
+        )
+        for name in [*ODD_FIELDS, "plain"]
+    }
+    for name, fields in ODD_FIELDS.items():
+        redis_conn.hset(jobs[name].key, mapping=fields)  # type: ignore[arg-type]
+
+    status, text = run(settings, "dlq", "requeue", "--all")
+    answer = json.loads(text)
+    assert status == 0 and answer["refused"] == []
+    assert sorted(answer["requeued"]) == sorted(job.id for job in jobs.values())
+    assert sorted(queue.get_job_ids()) == sorted(job.id for job in jobs.values())
+    assert FailedJobRegistry(queue=queue).get_job_ids() == []
+    for name, job in jobs.items():
+        again = Job.fetch(job.id, connection=redis_conn, serializer=JSONSerializer)
+        assert again.get_status() == JobStatus.QUEUED, name
+        assert again.retries_left == len(settings.job_retry_intervals), name
+        assert again.started_at is None and again.ended_at is None, name
+        assert redis_conn.ttl(job.key) == -1, name
+
+
+@pytest.mark.parametrize(
+    ("rewrite", "reason"),
+    [
+        ("another_call", "not a payhook event job"),
+        ("unreadable", "cannot be read"),
+    ],
+)
+def test_a_job_rewritten_while_it_is_requeued_is_checked_again(
+    factory: Factory,
+    settings: Settings,
+    redis_conn: Redis,
+    monkeypatch: pytest.MonkeyPatch,
+    rewrite: str,
+    reason: str,
+) -> None:
+    """The hash put on the queue is the one checked: a hash rewritten between
+    the check and the move (to run another function, or so that RQ cannot read
+    it) is read and checked again, and refused, still a dead letter."""
+    shop = factory.shop()
+    queue = events_queue(redis_conn, settings)
+    job = dead_letter(
+        redis_conn,
+        queue,
+        enqueue_event(queue, factory.standard_envelope(shop, StandardEvent()), settings),
+    )
+    fields = {
+        "another_call": {"data": queue.create_job("os.system", args=("true",)).to_dict()["data"]},
+        "unreadable": {"created_at": "not a date"},
+    }[rewrite]
+    read_job = operations._read_job
+
+    def rewritten_after_read(redis: Redis, job_id: str) -> Any:
+        read = read_job(redis, job_id)
+        redis_conn.hset(job.key, mapping=fields)
+        return read
+
+    monkeypatch.setattr(operations, "_read_job", rewritten_after_read)
+    with pytest.raises(NotRequeueable, match=reason):
+        requeue_dead_letter(redis_conn, settings, job.id)
+    assert queue.get_job_ids() == []
+    assert FailedJobRegistry(queue=queue).get_job_ids() == [job.id]
+    assert redis_conn.hget(job.key, "status") == b"failed"
 
 
 def test_a_requeued_job_loses_the_dead_letter_expiry(
