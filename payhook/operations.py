@@ -38,7 +38,7 @@ from rq.utils import now, utcformat
 from payhook.db import Row, connect, fetch_all, fetch_one, tolerant_cursor
 from payhook.errors import NotFound, PayhookError
 from payhook.gateways.storable import character_problem, storable_event_id
-from payhook.queue import APPLY_EVENT, events_queue, redis_connection
+from payhook.queue import APPLY_EVENT, ReadableJob, events_queue, redis_connection
 from payhook.settings import Settings, parse_duration
 
 #: Most rows a list command prints at once.
@@ -283,7 +283,9 @@ def _read_job(redis: Redis, job_id: str) -> tuple[Job, dict[bytes, bytes]]:
     """The job `job_id` and the hash it was restored from, read in one command;
     raises as `fetch_job` says."""
     try:
-        job = Job(parse_job_id(job_id), connection=redis, serializer=JSONSerializer)
+        # Checked before RQ reads it: data that would expand past what an
+        # event can be is never expanded (`payhook.jobhash`).
+        job = ReadableJob(parse_job_id(job_id), connection=redis, serializer=JSONSerializer)
     except (TypeError, ValueError) as exc:
         raise NotRequeueable(f"job {job_id} cannot be read ({exc})") from None
     stored: dict[bytes, bytes] = redis.hgetall(job.key)  # type: ignore[assignment]

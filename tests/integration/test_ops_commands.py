@@ -9,6 +9,7 @@ import socket
 import threading
 import time
 import uuid
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,7 @@ from payhook import operations
 from payhook.cli import build_parser
 from payhook.db import Row, create_pool
 from payhook.gateways import get_gateway
+from payhook.jobhash import data_bound
 from payhook.operations import NotRequeueable, requeue_dead_letter
 from payhook.queue import APPLY_EVENT, enqueue_event, events_queue
 from payhook.settings import Settings
@@ -446,6 +448,29 @@ def test_an_unreadable_job_in_the_dead_letter_queue_stops_nothing(
     assert (status, json.loads(text)) == (1, {"requeued": [good.id], "refused": ["bad-date"]})
     assert queue.get_job_ids() == [good.id]
     assert registry.get_job_ids() == ["bad-date"]
+
+
+def test_a_dead_letter_job_whose_data_would_expand_without_bound_is_never_expanded(
+    factory: Factory, settings: Settings, redis_conn: Redis
+) -> None:
+    """Data compressed a thousandfold is refused as unreadable before RQ
+    would inflate it in the command's memory."""
+    shop = factory.shop()
+    queue = events_queue(redis_conn, settings)
+    bomb = dead_letter(
+        redis_conn,
+        queue,
+        enqueue_event(queue, factory.standard_envelope(shop, StandardEvent()), settings),
+    )
+    redis_conn.hset(bomb.key, "data", zlib.compress(b"\0" * (data_bound(settings.max_body) + 1)))
+
+    status, text = run(settings, "dlq", "list")
+    [row] = lines(text)
+    assert status == 0 and row["function"] is None
+    assert "data: expands past" in row["error"]
+    status, text = run(settings, "dlq", "requeue", bomb.id)
+    assert status == 1 and "data: expands past" in lines(text)[0]["reason"]
+    assert FailedJobRegistry(queue=queue).get_job_ids() == [bomb.id]
 
 
 def test_a_dead_letter_job_whose_result_cannot_be_read_hides_no_other(
