@@ -78,6 +78,7 @@ from rq.worker import BaseWorker
 from werkzeug.exceptions import HTTPException, MethodNotAllowed
 from werkzeug.serving import make_server
 
+from payhook import quarantine
 from payhook.alerts import AlertCollector, AlertConfig, AlertsUnavailable, Signal, read_signals
 from payhook.db import connect
 from payhook.errors import NotFound, SettingsError
@@ -495,7 +496,47 @@ def create_app(settings: Settings, user: str, password: str) -> Flask:
     def prometheus() -> Response:
         return Response(generate_latest(metrics), mimetype=CONTENT_TYPE_LATEST)
 
+    @app.get("/quarantine")
+    def quarantined() -> Response:
+        """Jobs the consumers could not read: what `payhook quarantine list`
+        prints, as a page (or JSON with `?format=json`). Reasons name a field,
+        never its content; ids are escaped like everything else shown."""
+        entries = [entry.to_json() for entry in quarantine.list_jobs(redis, settings.queue)]
+        headers = {"Cache-Control": "no-store"}
+        if request.args.get("format") == "json":
+            return Response(
+                json.dumps({"jobs": entries}), mimetype="application/json", headers=headers
+            )
+        return Response(
+            _quarantine_page(settings.queue, entries), mimetype="text/html", headers=headers
+        )
+
     return app
+
+
+def _quarantine_page(queue: str, entries: list[dict[str, Any]]) -> str:
+    rows = "".join(
+        "<tr>"
+        + "".join(
+            f"<td>{escape(str(entry[k]))}</td>"
+            for k in ("job_id", "quarantined_at", "reason", "found_in")
+        )
+        + "</tr>"
+        for entry in entries
+    )
+    empty = "" if entries else "<p>Nothing is quarantined.</p>"
+    return (
+        '<!doctype html><html><head><meta charset="utf-8">'
+        '<meta name="viewport" content="width=device-width, initial-scale=1">'
+        f"<title>payhook: quarantined jobs</title></head><body>"
+        f"<h1>Quarantined jobs of {escape(queue)}</h1>"
+        "<p>Jobs in Redis the consumers could not read, set aside so that they go on. "
+        "Inspect them with <code>payhook quarantine show JOB_ID</code>, then "
+        "<code>payhook quarantine purge</code>.</p>"
+        f"{empty}<table><thead><tr><th>job id</th><th>quarantined at</th><th>reason</th>"
+        f"<th>found in</th></tr></thead><tbody>{rows}</tbody></table>"
+        '<p><a href="./">back to the queues</a></p></body></html>'
+    )
 
 
 class _Stop(Exception):

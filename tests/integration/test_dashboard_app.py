@@ -22,6 +22,7 @@ from rq.serializers import JSONSerializer
 from rq.worker_registration import REDIS_WORKER_KEYS
 from structlog.testing import capture_logs
 
+from payhook import quarantine
 from payhook.dashboard import (
     CSRF_COOKIE,
     CSRF_HEADER,
@@ -587,3 +588,18 @@ def test_the_job_page_escapes_every_field_and_shows_an_unreadable_job(
     assert unreadable.status_code == 200
     assert unreadable.get_json()["description"].startswith("unreadable job: ")
     assert client.get("/0/data/job/gone.json", headers=AUTH).status_code == 404
+
+
+def test_the_quarantine_page_lists_what_consumers_set_aside_escaped(
+    client: FlaskClient, settings: Settings, redis_conn: Redis
+) -> None:
+    assert "Nothing is quarantined" in client.get("/quarantine", headers=AUTH).get_data(True)
+    quarantine.move(redis_conn, settings.queue, b"<script>\xff", "status: not a status RQ knows")
+    assert client.get("/quarantine").status_code == 401
+    page = client.get("/quarantine", headers=AUTH).get_data(as_text=True)
+    assert "&lt;script&gt;\\xff" in page and "<script>" not in page
+    assert "status: not a status RQ knows" in page
+    data = client.get("/quarantine?format=json", headers=AUTH).get_json()
+    assert [(j["job_id"], j["reason"]) for j in data["jobs"]] == [
+        ("<script>\\xff", "status: not a status RQ knows")
+    ]
