@@ -7,6 +7,7 @@ COPY payhook payhook
 COPY ingress ingress
 COPY consumer consumer
 COPY outbox_worker outbox_worker
+COPY control control
 COPY sql sql
 RUN pip wheel --no-cache-dir --wheel-dir /wheels .
 

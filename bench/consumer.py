@@ -49,11 +49,11 @@ from bench.services import (
     server_cpu_seconds,
 )
 from consumer.transaction import Endpoint, apply_event
-from payhook import admin
+from control import admin
+from control.migrations import apply_migrations
 from payhook.db import connect
 from payhook.envelope import Envelope
 from payhook.gateways import get_gateway
-from payhook.migrations import apply_migrations
 from payhook.queue import enqueue_event, events_queue
 from payhook.settings import Settings
 from tests.factories import StandardEvent

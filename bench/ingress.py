@@ -59,12 +59,12 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from bench.services import FSYNC_CHOICES, cpu_seconds, private_redis, process, spare_port
+from control import admin
+from control.migrations import apply_migrations
 from ingress.enqueue import Enqueuer
-from payhook import admin
 from payhook.db import connect
 from payhook.envelope import Envelope
 from payhook.gateways import standard
-from payhook.migrations import apply_migrations
 from payhook.queue import enqueue_event, events_queue
 from payhook.settings import Settings
 
@@ -342,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         bare_port, ingress_port = spare_port(), spare_port()
         uvicorn_args = ["--no-access-log", "--log-level", "warning"]
         bare = [python, "-m", "uvicorn", "bench.ingress:bare_app", "--port", str(bare_port)]
-        ingress = [python, "-m", "payhook.cli", "ingress", "--port", str(ingress_port)]
+        ingress = [python, "-m", "control.cli", "ingress", "--port", str(ingress_port)]
         with (
             process(bare + uvicorn_args, env, bare_port) as bare_proc,
             process(ingress, env, ingress_port) as ingress_proc,

@@ -39,10 +39,10 @@ import psycopg
 from psycopg import sql
 from psycopg.types.json import Jsonb
 
+from control import admin
+from control.migrations import apply_migrations
 from outbox_worker.config import DEFAULT_BATCH, DEFAULT_CONCURRENCY, DEFAULT_POLL
-from payhook import admin
 from payhook.db import Row, connect, execute
-from payhook.migrations import apply_migrations
 from payhook.settings import Settings
 from tests.receiver import Receiver
 
@@ -145,7 +145,7 @@ def start_workers(settings: Settings, count: int, logdir: Path) -> list[subproce
     env = {k: v for k, v in os.environ.items() if not k.startswith("PAYHOOK_")}
     env |= {"DATABASE_URL": str(settings.database_url), "PAYHOOK_LOG_LEVEL": "INFO"}
     script = Path(sys.executable).with_name("payhook")
-    command = [str(script)] if script.exists() else [sys.executable, "-m", "payhook.cli"]
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "control.cli"]
     procs = []
     for n in range(count):
         with (logdir / f"worker-{n}.log").open("ab") as out:

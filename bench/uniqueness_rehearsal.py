@@ -44,14 +44,14 @@ from rq.job import Job
 from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 
-from payhook import admin
+from control import admin
+from control.migrations import apply_migrations, list_migrations
+from control.unique_rules import UniqueRule
+from control.uniqueness import check_rule, resolve_rule
 from payhook.db import Row, connect
 from payhook.envelope import Envelope
-from payhook.migrations import apply_migrations, list_migrations
 from payhook.queue import enqueue_event, events_queue
 from payhook.settings import Settings
-from payhook.unique_rules import UniqueRule
-from payhook.uniqueness import check_rule, resolve_rule
 from tests.factories import StandardEvent
 from tests.processes import process_env, start, stop, wait_until
 

@@ -26,7 +26,7 @@ import json
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, TextIO, cast
+from typing import Any, cast
 
 from redis import Redis
 
@@ -236,25 +236,3 @@ def find(redis: Redis, queue: str, printable_id: str) -> bytes | None:
         if printable(job_id) == printable_id:
             return job_id
     return None
-
-
-def run(action: str, args: Any, redis: Redis, queue: str, out: TextIO) -> int:
-    """`payhook quarantine list|show|purge`: JSON lines; 1 when an id is not quarantined."""
-    if action == "list":
-        for entry in list_jobs(redis, queue, args.limit):
-            print(json.dumps(entry.to_json()), file=out)
-        return 0
-    ids = [(given, find(redis, queue, given)) for given in args.job_ids]
-    missing = [given for given, job_id in ids if job_id is None]
-    for given in missing:
-        print(json.dumps({"job_id": given, "error": "not quarantined"}), file=out)
-    if action == "show":
-        for _, job_id in ids:
-            shown = show(redis, queue, job_id) if job_id is not None else None
-            if shown is not None:
-                entry, fields = shown
-                print(json.dumps(entry.to_json() | {"fields": fields}), file=out)
-        return 1 if missing else 0
-    chosen = all_ids(redis, queue) if args.all else [j for _, j in ids if j is not None]
-    print(json.dumps({"purged": purge(redis, queue, chosen)}), file=out)
-    return 1 if missing else 0

@@ -18,8 +18,8 @@ from psycopg import sql
 from redis import Redis
 
 from consumer.handler import Runtime
+from control.migrations import apply_migrations
 from payhook.db import Row, connect, create_pool
-from payhook.migrations import apply_migrations
 from payhook.settings import Settings
 from tests.factories import Factory
 

@@ -12,7 +12,7 @@ from typing import Any
 import psycopg
 from psycopg.types.json import Jsonb
 
-from payhook import admin
+from control import admin
 from payhook.db import Row, execute
 from payhook.envelope import Envelope
 from payhook.gateways import standard, stripe

@@ -28,7 +28,7 @@ def process_env(settings: Settings, **extra: str) -> dict[str, str]:
 def run_cli(settings: Settings, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
     """`payhook ARGS` run to completion with `settings` (and `env` on top); its output."""
     return subprocess.run(
-        [sys.executable, "-m", "payhook.cli", *args],
+        [sys.executable, "-m", "control.cli", *args],
         env=process_env(settings, **env),
         capture_output=True,
         text=True,
@@ -40,7 +40,7 @@ def start(args: list[str], env: Mapping[str, str], log: Path) -> subprocess.Pope
     """`payhook ARGS` in its own process group, output to `log`."""
     with log.open("ab") as handle:
         return subprocess.Popen(
-            [sys.executable, "-m", "payhook.cli", *args],
+            [sys.executable, "-m", "control.cli", *args],
             env=dict(env),
             stdout=handle,
             stderr=subprocess.STDOUT,

@@ -1,4 +1,4 @@
--- Templates composed with identifiers by payhook.uniqueness (psycopg.sql):
+-- Templates composed with identifiers by control.uniqueness (psycopg.sql):
 -- {table} the qualified table (ONLY the table, when it has child tables by
 -- inheritance: an index on it covers its own rows alone), {columns} the rule's columns, {tenant} and
 -- {key} the tenant and the other key columns as one jsonb, {scope} the rows

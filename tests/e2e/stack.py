@@ -28,7 +28,7 @@ import psycopg
 from redis import Redis
 from rq.registry import FailedJobRegistry, ScheduledJobRegistry, StartedJobRegistry
 
-from payhook import admin
+from control import admin
 from payhook.db import Row, connect
 from payhook.queue import events_queue
 from payhook.settings import Settings
@@ -359,7 +359,7 @@ class Stack:
 def _payhook() -> list[str]:
     import sys
 
-    return [sys.executable, "-m", "payhook.cli"]
+    return [sys.executable, "-m", "control.cli"]
 
 
 def _ready(port: int) -> bool:

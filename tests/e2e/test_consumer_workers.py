@@ -284,7 +284,7 @@ def test_registry_cleaning_lock_of_a_killed_worker_expires_within_a_minute(
 BROKEN_LOOP = """
 import sys
 from consumer.worker import PayhookWorker
-from payhook.cli import main
+from control.cli import main
 
 def broken(self, timeout, max_idle_time=None):
     raise RuntimeError("something RQ did not expect")

@@ -15,7 +15,7 @@ from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 
 from consumer.worker import PayhookJob, PayhookWorker
-from payhook.dashboard import CSRF_COOKIE, CSRF_HEADER
+from control.dashboard import CSRF_COOKIE, CSRF_HEADER
 from payhook.queue import enqueue_event, events_queue
 from payhook.settings import Settings
 from tests.e2e.test_dashboard_browser import free_port

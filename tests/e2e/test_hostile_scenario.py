@@ -25,8 +25,9 @@ import pytest
 from redis import Redis
 from rq.registry import FailedJobRegistry
 
-from payhook import admin, quarantine
-from payhook.dashboard import CSRF_COOKIE, CSRF_HEADER
+from control import admin
+from control.dashboard import CSRF_COOKIE, CSRF_HEADER
+from payhook import quarantine
 from payhook.gateways import stripe
 from payhook.jobhash import data_bound
 from payhook.queue import events_queue
@@ -195,7 +196,7 @@ def run_scenario(stack: Stack, tmp_path: Path) -> None:
         assert set(forged) <= quarantined | dead
         assert set(forged) - quarantined == {forged[4]}  # the callback: refused, failed
         check = subprocess.run(
-            [sys.executable, "-m", "payhook.cli", "check"],
+            [sys.executable, "-m", "control.cli", "check"],
             env=stack.env,
             capture_output=True,
             text=True,

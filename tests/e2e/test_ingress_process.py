@@ -219,7 +219,7 @@ def test_duplicate_storm_from_payhook_send_is_applied_once(
         send += ["--gateway-order-id", "pi_1", "--merchant-ref", "order-1", "--amount", "1999"]
         send += ["--copies", "20", "--concurrency", "10"]
         sent = subprocess.run(
-            [sys.executable, "-m", "payhook.cli", *send],
+            [sys.executable, "-m", "control.cli", *send],
             env=env,
             capture_output=True,
             text=True,

@@ -37,7 +37,7 @@ class WorkerProcess:
         env |= {"DATABASE_URL": f"{PG_SERVER}/{database}", "PAYHOOK_LOG_LEVEL": "INFO"}
         env |= {f"PAYHOOK_OUTBOX_{name.upper()}": value for name, value in settings.items()}
         script = Path(sys.executable).with_name("payhook")
-        command = [str(script)] if script.exists() else [sys.executable, "-m", "payhook.cli"]
+        command = [str(script)] if script.exists() else [sys.executable, "-m", "control.cli"]
         self.log = log
         self.errors = log.with_suffix(".err")
         with log.open("ab") as out, self.errors.open("ab") as err:

@@ -363,7 +363,7 @@ def test_refund_before_its_payment_is_kept_then_applied_exactly_once(stack: Stac
 
     # An operator's replay, and the gateway's redelivery of the refund, change nothing.
     replay = subprocess.run(
-        [sys.executable, "-m", "payhook.cli", "exceptions", "replay", str(row["id"])],
+        [sys.executable, "-m", "control.cli", "exceptions", "replay", str(row["id"])],
         env=stack.env,
         capture_output=True,
         text=True,

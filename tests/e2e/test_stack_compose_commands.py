@@ -52,7 +52,7 @@ def test_each_compose_command_starts(settings: Settings, redis_conn: Redis, tmp_
         PAYHOOK_DASHBOARD_PASSWORD="compose-test",
     )
     migrate = subprocess.run(
-        [sys.executable, "-m", "payhook.cli", *compose_command("migrate", 0)],
+        [sys.executable, "-m", "control.cli", *compose_command("migrate", 0)],
         env=env,
         capture_output=True,
         text=True,
@@ -87,7 +87,7 @@ def test_each_compose_command_starts(settings: Settings, redis_conn: Redis, tmp_
 
 def test_the_dashboard_refuses_a_public_address_without_a_password(settings: Settings) -> None:
     refused = subprocess.run(
-        [sys.executable, "-m", "payhook.cli", "dashboard", "--host", "0.0.0.0", "--port", "18181"],
+        [sys.executable, "-m", "control.cli", "dashboard", "--host", "0.0.0.0", "--port", "18181"],
         env=process_env(settings),
         capture_output=True,
         text=True,

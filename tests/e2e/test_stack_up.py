@@ -52,7 +52,7 @@ def start_up(
     log = cwd / "up.log"
     with log.open("wb") as handle:
         up = subprocess.Popen(
-            [sys.executable, "-m", "payhook.cli", "up", *args],
+            [sys.executable, "-m", "control.cli", "up", *args],
             cwd=cwd,
             env=env,
             stdout=handle,
@@ -124,7 +124,7 @@ def test_newcomer_runs_up_sends_a_payment_and_stops_everything(workdir: Path) ->
         for needed in ("ingress", "consumer", "outbox-worker", "dashboard", "valkey-server"):
             assert any(needed in command for command in commands), (needed, commands)
         direct = [" ".join(c.cmdline()) for c in psutil.Process(up.pid).children()]
-        assert sum("payhook.cli consumer" in command for command in direct) == 2
+        assert sum("control.cli consumer" in command for command in direct) == 2
         pgdata = tmp_path / ".payhook" / "pgdata"
         assert postgres_serving(pgdata)
 
@@ -135,7 +135,7 @@ def test_newcomer_runs_up_sends_a_payment_and_stops_everything(workdir: Path) ->
         argv = shlex.split(send)
         assert argv[0] == "payhook"
         sent = subprocess.run(
-            [sys.executable, "-m", "payhook.cli", *argv[1:]],
+            [sys.executable, "-m", "control.cli", *argv[1:]],
             env=newcomer_env(),
             capture_output=True,
             text=True,
@@ -306,7 +306,7 @@ def test_a_state_dir_that_cannot_be_made_is_a_clear_error(workdir: Path) -> None
     args = ["--embedded", "--state-dir", str(blocker / "state")]
     args += ["--port", str(free_port()), "--dashboard-port", str(free_port())]
     done = subprocess.run(
-        [sys.executable, "-m", "payhook.cli", "up", *args],
+        [sys.executable, "-m", "control.cli", "up", *args],
         cwd=workdir,
         env=newcomer_env(),
         capture_output=True,

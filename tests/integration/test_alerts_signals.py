@@ -22,8 +22,7 @@ from rq.registry import FailedJobRegistry, ScheduledJobRegistry
 from rq.utils import utcformat
 
 from consumer.transaction import Applied, Endpoint, apply_event
-from payhook import counters, quarantine
-from payhook.alerts import (
+from control.alerts import (
     SIGNALS,
     AlertCollector,
     AlertConfig,
@@ -32,6 +31,7 @@ from payhook.alerts import (
     oldest_waiting,
     read_signals,
 )
+from payhook import counters, quarantine
 from payhook.db import Row, connect
 from payhook.gateways import get_gateway
 from payhook.queue import events_queue
@@ -50,7 +50,7 @@ def deliver(conn: psycopg.Connection[Row], shop: Shop, event: StandardEvent) -> 
 
 def check(settings: Settings, **extra: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "payhook.cli", "check"],
+        [sys.executable, "-m", "control.cli", "check"],
         env=process_env(settings, **extra),
         capture_output=True,
         text=True,

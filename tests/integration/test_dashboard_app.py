@@ -22,8 +22,7 @@ from rq.serializers import JSONSerializer
 from rq.worker_registration import REDIS_WORKER_KEYS
 from structlog.testing import capture_logs
 
-from payhook import quarantine
-from payhook.dashboard import (
+from control.dashboard import (
     CSRF_COOKIE,
     CSRF_HEADER,
     REFUSED,
@@ -31,6 +30,7 @@ from payhook.dashboard import (
     STATE_CHANGING,
     create_app,
 )
+from payhook import quarantine
 from payhook.db import connect
 from payhook.queue import enqueue_event, events_queue
 from payhook.settings import Settings
@@ -212,8 +212,8 @@ def test_every_view_that_could_move_jobs_is_payhooks_own_or_refused(
             continue
         if "POST" in (rule.methods or ()):
             assert rule.endpoint in STATE_CHANGING | set(REFUSED), rule
-            assert view.__module__ == "payhook.dashboard", rule
-        elif view.__module__ != "payhook.dashboard":
+            assert view.__module__ == "control.dashboard", rule
+        elif view.__module__ != "control.dashboard":
             assert rule.endpoint in READ_ONLY_VIEWS, rule
     for endpoint in REFUSED:
         with app.test_request_context(method="POST", headers=AUTH):

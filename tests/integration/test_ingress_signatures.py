@@ -24,8 +24,8 @@ from rq.serializers import JSONSerializer
 from standardwebhooks.webhooks import Webhook
 from starlette.applications import Starlette
 
+from control import admin
 from ingress.app import Ingress, create_app
-from payhook import admin
 from payhook.envelope import Envelope
 from payhook.gateways import standard
 from payhook.gateways import stripe as stripe_gateway

@@ -28,9 +28,9 @@ from structlog.testing import capture_logs
 from consumer.handler import Runtime
 from consumer.jobs import install_runtime
 from consumer.main import build_worker
+from control import admin
 from ingress.app import Ingress, create_app
 from ingress.endpoints import Endpoint, PostgresEndpoints
-from payhook import admin
 from payhook.db import create_pool
 from payhook.envelope import Envelope
 from payhook.errors import PayhookError

@@ -15,9 +15,9 @@ import psycopg
 import pytest
 from psycopg import sql
 
+from control.migrations import apply_migrations, list_migrations
 from payhook.db import Row
 from payhook.errors import MigrationError
-from payhook.migrations import apply_migrations, list_migrations
 from payhook.queries import all_queries
 from tests.conftest import PG_SERVER, test_settings
 
@@ -60,7 +60,7 @@ def test_three_concurrent_migrate_processes_all_succeed(empty_db: str) -> None:
     env = os.environ | {"DATABASE_URL": f"{PG_SERVER}/{empty_db}"}
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "payhook.cli", "migrate"],
+            [sys.executable, "-m", "control.cli", "migrate"],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

@@ -30,12 +30,12 @@ from consumer.jobs import install_runtime
 from consumer.main import build_worker
 from consumer.transaction import Endpoint, apply_event
 from consumer.worker import PayhookJob, PayhookWorker
-from payhook import operations
-from payhook.cli import build_parser
+from control import operations
+from control.cli import build_parser
+from control.operations import NotRequeueable, requeue_dead_letter
 from payhook.db import Row, create_pool
 from payhook.gateways import get_gateway
 from payhook.jobhash import data_bound
-from payhook.operations import NotRequeueable, requeue_dead_letter
 from payhook.queue import APPLY_EVENT, enqueue_event, events_queue
 from payhook.settings import Settings
 from tests.conftest import PG_SERVER

@@ -89,7 +89,7 @@ def test_replay_applies_an_unmapped_event_once_its_order_exists(
 
     # The operator's command, as run from a shell.
     done = subprocess.run(
-        [sys.executable, "-m", "payhook.cli", "exceptions", "replay", str(exception_id)],
+        [sys.executable, "-m", "control.cli", "exceptions", "replay", str(exception_id)],
         env=process_env(settings),
         capture_output=True,
         text=True,
@@ -146,7 +146,7 @@ def test_replay_while_the_cause_is_not_fixed_changes_nothing(
     assert factory.order_state(shop, order_id) == "pending"
     assert is_open(factory, applied.exception_id)
     done = subprocess.run(
-        [sys.executable, "-m", "payhook.cli", "exceptions", "replay", str(applied.exception_id)],
+        [sys.executable, "-m", "control.cli", "exceptions", "replay", str(applied.exception_id)],
         env=process_env(settings),
         capture_output=True,
         text=True,

@@ -8,9 +8,9 @@ import uuid
 import psycopg
 import pytest
 
+from control import outbox_admin
+from control.cli import build_parser
 from outbox_worker import claims
-from payhook import outbox_admin
-from payhook.cli import build_parser
 from payhook.db import Row, connect
 from payhook.errors import NotFound, PayhookError
 from payhook.settings import Settings

@@ -13,11 +13,11 @@ import psycopg
 import pytest
 
 from consumer.handler import Runtime, handle
+from control.operations import format_trace, trace_event
+from control.retention import RetentionRun, retention_cutoffs, retention_seconds, run_retention
 from payhook.db import Row, connect
 from payhook.errors import SettingsError
-from payhook.operations import format_trace, trace_event
 from payhook.queries import query
-from payhook.retention import RetentionRun, retention_cutoffs, retention_seconds, run_retention
 from payhook.settings import Settings
 from tests.conftest import test_settings
 from tests.factories import Factory, Shop, StandardEvent, envelope, stripe_body, stripe_headers

@@ -29,7 +29,7 @@ from structlog.testing import capture_logs
 from consumer import handler, jobs
 from consumer.handler import Runtime
 from consumer.main import build_worker
-from payhook import operations
+from control import operations
 from payhook.envelope import Envelope
 from payhook.gateways import storable
 from payhook.gateways.storable import storable_event_id

@@ -636,7 +636,7 @@ def test_serialization_failures_are_retried_a_bounded_number_of_times(
 
 def test_consumer_follows_secret_rotation(runtime: Runtime, factory: Factory) -> None:
     """A secret rotated in verifies at once; a retired one stops once the cache expires."""
-    from payhook import admin
+    from control import admin
 
     shop = factory.shop()
     factory.order(shop)
@@ -661,7 +661,7 @@ def test_a_null_written_among_the_secrets_by_hand_never_breaks_verification(
     """Only SQL by hand can put a NULL among an endpoint's secrets: active,
     retired at the end of a rotation, or first in the list, it is passed over
     and the real secrets still verify."""
-    from payhook import admin
+    from control import admin
 
     shop = factory.shop(gateway)
     factory.conn.execute(
@@ -737,7 +737,7 @@ def test_job_received_before_its_secret_was_retired_is_still_applied(
     runtime: Runtime, factory: Factory
 ) -> None:
     """Retiring a secret must not turn events already acknowledged into anomalies."""
-    from payhook import admin
+    from control import admin
 
     shop = factory.shop()
     order_id = factory.order(shop)

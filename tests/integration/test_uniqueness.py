@@ -14,18 +14,18 @@ import psycopg
 import pytest
 from psycopg.types.json import Jsonb
 
-from payhook import migrations
-from payhook.db import Row, connect, fetch_one
-from payhook.errors import MigrationError
-from payhook.migrations import apply_migrations, list_migrations
-from payhook.settings import Settings
-from payhook.unique_rules import RuleError, UniqueRule, rules_in
-from payhook.uniqueness import (
+from control import migrations
+from control.migrations import apply_migrations, list_migrations
+from control.unique_rules import RuleError, UniqueRule, rules_in
+from control.uniqueness import (
     UnresolvedConflicts,
     check_rule,
     remaining_conflicts,
     resolve_rule,
 )
+from payhook.db import Row, connect, fetch_one
+from payhook.errors import MigrationError
+from payhook.settings import Settings
 from tests.conftest import PG_SERVER, test_settings
 from tests.processes import run_cli
 

@@ -15,13 +15,13 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from payhook import migrations, uniqueness
+from control import migrations, uniqueness
+from control.migrations import InvalidIndexLeft, apply_migrations, list_migrations
+from control.unique_rules import RuleError, UniqueRule
+from control.uniqueness import check_rule, remaining_conflicts, resolve_rule
 from payhook.db import Row, connect, fetch_one
 from payhook.errors import MigrationError
-from payhook.migrations import InvalidIndexLeft, apply_migrations, list_migrations
 from payhook.settings import Settings
-from payhook.unique_rules import RuleError, UniqueRule
-from payhook.uniqueness import check_rule, remaining_conflicts, resolve_rule
 from tests.conftest import test_settings
 from tests.integration.test_uniqueness import (
     EXCEPTIONS_RULE,

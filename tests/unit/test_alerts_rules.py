@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 import yaml
 
-from payhook.alerts import SIGNALS, AlertConfig, Signal, _duration
+from control.alerts import SIGNALS, AlertConfig, Signal, _duration
 from payhook.errors import SettingsError
 from payhook.settings import MAX_DURATION, Settings
 
 RULES = Path(__file__).resolve().parents[2] / "ops" / "prometheus"
-#: Metric names `payhook.alerts.AlertCollector` exports.
+#: Metric names `control.alerts.AlertCollector` exports.
 EXPORTED = {"payhook_alert_value", "payhook_alert_threshold", "payhook_alerts_up"}
 
 

@@ -34,17 +34,36 @@ def test_components_never_import_each_other(component: str) -> None:
     assert {path: found for path, found in offenders.items() if found} == {}
 
 
-def test_the_shared_kernel_imports_no_component_at_module_level() -> None:
-    """payhook's commands start components from inside the function that runs them."""
+def test_the_kernel_is_the_ground_floor() -> None:
+    """The kernel imports neither a process nor the tooling above them, anywhere."""
+    above = {*COMPONENTS, "control"}
+    offenders = {
+        str(path.relative_to(ROOT)): sorted(imports(path, top_level_only=False) & above)
+        for path in (ROOT / "payhook").rglob("*.py")
+    }
+    assert {path: found for path, found in offenders.items() if found} == {}
+
+
+@pytest.mark.parametrize("component", COMPONENTS)
+def test_no_process_imports_the_tooling_above_it(component: str) -> None:
+    offenders = {
+        str(path.relative_to(ROOT)): sorted(imports(path, top_level_only=False) & {"control"})
+        for path in (ROOT / component).rglob("*.py")
+    }
+    assert {path: found for path, found in offenders.items() if found} == {}
+
+
+def test_the_tooling_starts_a_process_only_from_the_command_that_runs_it() -> None:
+    """Importing `control` (the dashboard, say) does not import a process."""
     offenders = {
         str(path.relative_to(ROOT)): sorted(imports(path, top_level_only=True) & set(COMPONENTS))
-        for path in (ROOT / "payhook").rglob("*.py")
+        for path in (ROOT / "control").rglob("*.py")
     }
     assert {path: found for path, found in offenders.items() if found} == {}
 
 
 def test_the_cli_offers_every_exception_kind_the_consumer_records() -> None:
     from consumer.rules import EXCEPTION_OUTCOMES
-    from payhook.cli import EXCEPTION_KINDS
+    from control.cli import EXCEPTION_KINDS
 
     assert set(EXCEPTION_KINDS) == EXCEPTION_OUTCOMES

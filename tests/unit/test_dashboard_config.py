@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from payhook.dashboard import DashboardConfig, display_url, is_loopback
+from control.dashboard import DashboardConfig, display_url, is_loopback
 from payhook.errors import SettingsError
 from payhook.settings import Settings
 

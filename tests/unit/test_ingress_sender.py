@@ -11,9 +11,9 @@ import pytest
 import stripe as stripe_sdk
 from standardwebhooks.webhooks import Webhook
 
+from control.sender import Event, send_copies, sign_event
 from payhook.gateways import get_gateway, standard
 from payhook.gateways import stripe as stripe_gateway
-from payhook.sender import Event, send_copies, sign_event
 
 STANDARD_SECRET = standard.generate_secret()
 STRIPE_SECRET = stripe_gateway.generate_secret()

@@ -6,7 +6,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from payhook.alerts import AlertConfig
+from control.alerts import AlertConfig
 from payhook.errors import SettingsError
 from payhook.horizon import receipt_horizon
 from payhook.settings import DURATIONS, MAX_DURATION, MAX_JOB_TIMEOUT, Settings, parse_duration
@@ -44,7 +44,7 @@ def test_the_longest_retentions_are_accepted_and_leave_a_horizon_to_compare_with
 
 
 def test_the_alert_window_is_bounded_like_every_duration() -> None:
-    """`PAYHOOK_ALERT_WINDOW` is read by `payhook.alerts` through the same parser."""
+    """`PAYHOOK_ALERT_WINDOW` is read by `control.alerts` through the same parser."""
     with pytest.raises(SettingsError, match=r"^PAYHOOK_ALERT_WINDOW: expected at most 36500d"):
         AlertConfig.from_settings(Settings.from_env({"PAYHOOK_ALERT_WINDOW": "3000000d"}))
     longest = Settings.from_env({"PAYHOOK_ALERT_WINDOW": "36500d"})

@@ -23,8 +23,8 @@ from typing import Any
 import pytest
 import structlog
 
+from control import dashboard
 from outbox_worker import main as outbox_main
-from payhook import dashboard
 from payhook.settings import Settings
 
 

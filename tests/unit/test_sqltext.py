@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from payhook.sqltext import identifier, qualified, quoted, split_code, split_statements
-from payhook.unique_rules import UncheckableRule, UniqueRule, all_rules_in, rules_in
+from control.sqltext import identifier, qualified, quoted, split_code, split_statements
+from control.unique_rules import UncheckableRule, UniqueRule, all_rules_in, rules_in
 
 
 def test_a_comment_after_the_semicolon_does_not_glue_the_next_statement_on() -> None:

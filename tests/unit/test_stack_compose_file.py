@@ -8,7 +8,7 @@ from typing import Any
 
 import yaml
 
-from payhook.cli import build_parser
+from control.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 #: The payhook services and how many of each compose runs.

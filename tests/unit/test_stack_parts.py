@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from payhook.cli import build_parser
-from payhook.stack import (
+from control.cli import build_parser
+from control.stack import (
     Demo,
     LineWriter,
     Output,
@@ -103,8 +103,8 @@ def test_urls_are_shown_without_their_passwords() -> None:
 
 
 def test_the_ingress_host_may_be_ipv6_and_its_urls_bracket_it() -> None:
+    from control.stack import _check_port, _display_host
     from payhook.errors import SettingsError
-    from payhook.stack import _check_port, _display_host
 
     assert [_display_host(h) for h in ("0.0.0.0", "::", "::1", "127.0.0.1", "localhost")] == [
         "127.0.0.1",

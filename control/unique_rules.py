@@ -5,7 +5,7 @@ A rule is read from each CREATE UNIQUE INDEX and each ALTER TABLE ... ADD
 when the SQL gives none), table, columns and scope, names read as PostgreSQL
 reads them. A rule that cannot be checked (on expressions, of another form,
 written in a string) is listed as such, never passed over in silence:
-`payhook.uniqueness` checks the others against the rows of a live table.
+`control.uniqueness` checks the others against the rows of a live table.
 """
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from payhook.errors import PayhookError
-from payhook.sqltext import (
+from control.sqltext import (
     IDENTIFIER,
     QUALIFIED,
     UnreadableName,
@@ -27,6 +26,7 @@ from payhook.sqltext import (
     split_code,
     split_statements,
 )
+from payhook.errors import PayhookError
 
 log = structlog.get_logger(__name__)
 

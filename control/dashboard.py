@@ -4,7 +4,7 @@ rq-dashboard 0.9 as shipped does not fit payhook, so this module wraps it:
 
 - it reads jobs with the pickle serializer in several views, and its requeue
   buttons call RQ without a serializer: here every job is read as JSON, and
-  requeue goes through `payhook.operations.requeue_dead_letter` (JSON, events
+  requeue goes through `control.operations.requeue_dead_letter` (JSON, events
   queue only, `apply_event` jobs only, a fresh retry budget);
 - its command binds 0.0.0.0: here the default is 127.0.0.1, and any other
   address needs `PAYHOOK_DASHBOARD_PASSWORD`;
@@ -18,7 +18,7 @@ rq-dashboard 0.9 as shipped does not fit payhook, so this module wraps it:
   time where a dashboard stopped midway strands them: here each is refused,
   whatever the method or token (403, logged; `REFUSED` says why), and its
   buttons are hidden; requeueing is the one action that moves jobs, one
-  atomic move per job (`payhook.operations`);
+  atomic move per job (`control.operations`);
 - its job lists stop at the first job RQ cannot read (a forged or damaged
   hash or result): here such a job is listed as unreadable beside the others;
 - its pages print job ids and worker fields as HTML, unescaped: here an id RQ
@@ -35,7 +35,7 @@ rq-dashboard 0.9 as shipped does not fit payhook, so this module wraps it:
 | `PAYHOOK_DASHBOARD_PASSWORD` | (none) | basic-auth password; required off loopback |
 
 `GET /healthz` answers without credentials; `GET /metrics` (with them) exports
-the alert signals (`payhook.alerts`) for Prometheus.
+the alert signals (`control.alerts`) for Prometheus.
 """
 
 from __future__ import annotations
@@ -78,18 +78,18 @@ from rq.worker import BaseWorker
 from werkzeug.exceptions import HTTPException, MethodNotAllowed
 from werkzeug.serving import make_server
 
-from payhook import quarantine
-from payhook.alerts import AlertCollector, AlertConfig, AlertsUnavailable, Signal, read_signals
-from payhook.db import connect
-from payhook.errors import NotFound, SettingsError
-from payhook.logs import configure_logging
-from payhook.operations import (
+from control.alerts import AlertCollector, AlertConfig, AlertsUnavailable, Signal, read_signals
+from control.operations import (
     NotRequeueable,
     fetch_job,
     latest_error,
     requeue_all_dead_letters,
     requeue_dead_letter,
 )
+from payhook import quarantine
+from payhook.db import connect
+from payhook.errors import NotFound, SettingsError
+from payhook.logs import configure_logging
 from payhook.queue import redis_connection
 from payhook.settings import Secret, Settings, positive_int
 

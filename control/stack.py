@@ -48,12 +48,12 @@ import psycopg
 from redis import Redis
 from redis.exceptions import RedisError
 
-from payhook.admin import add_endpoint, add_order, add_tenant
-from payhook.dashboard import DashboardConfig
+from control.admin import add_endpoint, add_order, add_tenant
+from control.dashboard import DashboardConfig
+from control.migrations import apply_migrations
 from payhook.db import Row, connect, fetch_one
 from payhook.errors import PayhookError, SettingsError
 from payhook.logs import configure_logging
-from payhook.migrations import apply_migrations
 from payhook.settings import DEFAULT_DATABASE_URL, DEFAULT_REDIS_URL, Settings
 
 #: Seconds children get to stop after SIGTERM before their groups are killed.
@@ -298,7 +298,7 @@ def run(
         demo = ensure_demo(child_settings, options.fulfilment_url)
         stopping.check()
 
-        payhook = [sys.executable, "-m", "payhook.cli"]
+        payhook = [sys.executable, "-m", "control.cli"]
         children.append(
             Child(
                 "ingress",

@@ -29,7 +29,7 @@ from typing import Any
 import psycopg
 import structlog
 
-from payhook.alerts import AlertConfig
+from control.alerts import AlertConfig
 from payhook.db import Row, connect, fetch_one
 from payhook.errors import SettingsError
 from payhook.horizon import describe

@@ -52,7 +52,7 @@ Command = Callable[[argparse.Namespace, Settings], int]
 
 
 def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
-    from payhook.migrations import apply_migrations
+    from control.migrations import apply_migrations
 
     applied = apply_migrations(settings)
     print(f"applied {len(applied)} migration(s)" + (": " + ", ".join(applied) if applied else ""))
@@ -60,7 +60,7 @@ def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_tenants_add(args: argparse.Namespace, settings: Settings) -> int:
-    from payhook.admin import add_tenant
+    from control.admin import add_tenant
     from payhook.db import connect
 
     with connect(settings) as conn:
@@ -69,7 +69,7 @@ def cmd_tenants_add(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_endpoints_add(args: argparse.Namespace, settings: Settings) -> int:
-    from payhook.admin import add_endpoint
+    from control.admin import add_endpoint
     from payhook.db import connect
 
     with connect(settings) as conn:
@@ -79,7 +79,7 @@ def cmd_endpoints_add(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_endpoints_rotate(args: argparse.Namespace, settings: Settings) -> int:
-    from payhook.admin import rotate_endpoint_secret
+    from control.admin import rotate_endpoint_secret
     from payhook.db import connect
 
     with connect(settings) as conn:
@@ -89,7 +89,7 @@ def cmd_endpoints_rotate(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_endpoints_retire(args: argparse.Namespace, settings: Settings) -> int:
-    from payhook.admin import retire_old_secrets
+    from control.admin import retire_old_secrets
     from payhook.db import connect
 
     with connect(settings) as conn:
@@ -99,7 +99,7 @@ def cmd_endpoints_retire(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_orders_add(args: argparse.Namespace, settings: Settings) -> int:
-    from payhook.admin import add_order
+    from control.admin import add_order
     from payhook.db import connect
 
     with connect(settings) as conn:
@@ -135,19 +135,19 @@ def cmd_outbox_worker(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_outbox(args: argparse.Namespace, settings: Settings) -> int:
-    from payhook.outbox_admin import run
+    from control.outbox_admin import run
 
     return run(args, settings)
 
 
 def cmd_send(args: argparse.Namespace, settings: Settings) -> int:
-    from payhook.sender import run
+    from control.sender import run
 
     return run(args, settings)
 
 
 def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
-    from payhook.stack import StackOptions, run
+    from control.stack import StackOptions, run
 
     options = StackOptions(
         host=args.host,
@@ -162,44 +162,44 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_dashboard(args: argparse.Namespace, settings: Settings) -> int:
-    from payhook.dashboard import run
+    from control.dashboard import run
 
     return run(settings, host=args.host, port=args.port)
 
 
 def cmd_check(args: argparse.Namespace, settings: Settings) -> int:
-    from payhook.alerts import check
+    from control.alerts import check
 
     return check(settings, show_all=args.all)
 
 
 def cmd_operations(args: argparse.Namespace, settings: Settings) -> int:
-    from payhook.operations import run
+    from control.operations import run
 
     return run(args, settings)
 
 
 def cmd_quarantine(args: argparse.Namespace, settings: Settings) -> int:
-    from payhook import quarantine
+    from control import quarantined
     from payhook.queue import redis_connection
 
     if args.action == "purge" and not (args.all or args.job_ids):
         raise PayhookError("quarantine purge: name JOB_IDs or give --all")
     redis = redis_connection(settings, timeout=10)
     try:
-        return quarantine.run(args.action, args, redis, settings.queue, sys.stdout)
+        return quarantined.run(args.action, args, redis, settings.queue, sys.stdout)
     finally:
         redis.close()
 
 
 def cmd_retention(args: argparse.Namespace, settings: Settings) -> int:
-    from payhook.retention import run
+    from control.retention import run
 
     return run(args, settings)
 
 
 def cmd_uniqueness(args: argparse.Namespace, settings: Settings) -> int:
-    from payhook.uniqueness import run
+    from control.uniqueness import run
 
     return run(args, settings)
 

@@ -28,7 +28,7 @@ Live tables stay writable while a migration runs:
   `LOCK_ATTEMPTS` drops of 2 minutes and the waits between them (1, 2, 4 and
   8 s): about 10 minutes 15 seconds, before the run stops saying so.
 - A migration that adds a unique rule to a table that already exists is
-  refused while rows of the table break the rule (`payhook.uniqueness`).
+  refused while rows of the table break the rule (`control.uniqueness`).
 """
 
 from __future__ import annotations
@@ -46,13 +46,13 @@ import psycopg
 import structlog
 from psycopg import sql
 
+from control.sqltext import IDENTIFIER, QUALIFIED, identifier, qualified, split_statements
+from control.unique_rules import RuleError, rules_in
+from control.uniqueness import SESSION_OPTIONS, require_no_conflicts
 from payhook.db import Row, connect, fetch_one
 from payhook.errors import MigrationError
 from payhook.queries import query, sql_root
 from payhook.settings import Settings
-from payhook.sqltext import IDENTIFIER, QUALIFIED, identifier, qualified, split_statements
-from payhook.unique_rules import RuleError, rules_in
-from payhook.uniqueness import SESSION_OPTIONS, require_no_conflicts
 
 log = structlog.get_logger(__name__)
 

@@ -42,12 +42,12 @@ import psycopg
 import structlog
 from psycopg import sql
 
+from control.sqltext import identifier, name_parts, qualified, quoted
+from control.unique_rules import RuleError, UncheckableRule, UniqueRule, all_rules_in
 from payhook.db import Row, connect, execute, fetch_all, fetch_one
 from payhook.errors import MigrationError
 from payhook.queries import load_queries, query, sql_root
 from payhook.settings import Settings
-from payhook.sqltext import identifier, name_parts, qualified, quoted
-from payhook.unique_rules import RuleError, UncheckableRule, UniqueRule, all_rules_in
 
 log = structlog.get_logger(__name__)
 
@@ -464,7 +464,7 @@ def _canon(key: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace, settings: Settings) -> int:
     """`payhook uniqueness check|resolve`: one JSON line per rule; 1 while conflicts remain."""
-    from payhook.migrations import LOCK_TIMEOUT
+    from control.migrations import LOCK_TIMEOUT
 
     rules = _chosen_rules(args, settings)
     if not rules:
@@ -505,7 +505,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
 def _chosen_rules(
     args: argparse.Namespace, settings: Settings
 ) -> list[UniqueRule | UncheckableRule]:
-    from payhook.migrations import pending_migrations
+    from control.migrations import pending_migrations
 
     if args.table:
         if not args.columns or not args.rule:
