@@ -17,8 +17,8 @@ from typing import Any
 from rq.serializers import JSONSerializer
 from rq.worker import Worker
 
+from consumer.applier import Applier
 from consumer.handler import Runtime
-from consumer.jobs import install_runtime
 from consumer.worker import ALLOWED_FUNCTIONS, PayhookJob, PayhookWorker
 from payhook.db import create_pool
 from payhook.logs import configure_logging
@@ -53,7 +53,7 @@ def main(mode: str, kind: str, cpu_file: str | None = None) -> int:
     if mode == "apply":
         pool = create_pool(settings, "bench", size=2)
         pool.open(wait=True)
-        install_runtime(Runtime(settings=settings, pool=pool))
+        runtime = Runtime(settings=settings, pool=pool)
     cls = SimpleBenchWorker if kind == "simple" else ForkingWorker
     connection = redis_connection(settings)
     worker = cls(
@@ -63,6 +63,8 @@ def main(mode: str, kind: str, cpu_file: str | None = None) -> int:
         job_class=BenchJob,
     )
     worker.log_job_description = False
+    if mode == "apply" and isinstance(worker, PayhookWorker):
+        worker.applier = Applier(runtime)
     started = time.process_time()
     worker.work(burst=True, logging_level="ERROR")
     if cpu_file:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import structlog
 from rq.serializers import JSONSerializer
 
+from consumer.applier import Applier
 from consumer.handler import Runtime
-from consumer.jobs import install_runtime
 from consumer.worker import PayhookWorker, job_class_for
 from payhook.db import create_pool
 from payhook.logs import configure_logging
@@ -19,7 +19,8 @@ log = structlog.get_logger(__name__)
 STATEMENT_SHARE = 0.8
 
 
-def build_worker(settings: Settings) -> PayhookWorker:
+def build_worker(settings: Settings, runtime: Runtime | None = None) -> PayhookWorker:
+    """A worker on the events queue; with `runtime`, one that applies events."""
     connection = redis_connection(settings)
     # One queue per worker: RQ then moves each job atomically (BLMOVE) into
     # its intermediate list and can recover it after a crash.
@@ -32,6 +33,8 @@ def build_worker(settings: Settings) -> PayhookWorker:
     )
     worker.job_grace = settings.job_grace
     worker.faults = settings.faults
+    if runtime is not None:
+        worker.applier = Applier(runtime)
     return worker
 
 
@@ -48,12 +51,16 @@ def run(settings: Settings, burst: bool = False) -> int:
     pool.open(wait=False)
     try:
         worker = build_worker(settings)
-        install_runtime(Runtime(settings=settings, pool=pool, redis=worker.connection))
-        log.info("consumer_started", queue=settings.queue, worker=worker.name, burst=burst)
-        # The scheduler moves retried jobs back onto the queue after their interval.
-        worker.work(burst=burst, with_scheduler=True, logging_level="WARNING")
+        applier = worker.applier = Applier(
+            Runtime(settings=settings, pool=pool, redis=worker.connection)
+        )
+        try:
+            log.info("consumer_started", queue=settings.queue, worker=worker.name, burst=burst)
+            # The scheduler moves retried jobs back onto the queue after their interval.
+            worker.work(burst=burst, with_scheduler=True, logging_level="WARNING")
+        finally:
+            applier.close()
     finally:
-        install_runtime(None)
         pool.close()
     if not burst and not worker.stop_requested_by_signal:
         # RQ ended its loop on an error (logged above): exit so that a

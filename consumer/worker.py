@@ -36,9 +36,9 @@ from rq.serializers import JSONSerializer
 from rq.utils import now as rq_now
 from rq.worker import SimpleWorker, WorkerStatus
 
-from consumer import jobs
+from consumer.applier import Applier
 from payhook import quarantine
-from payhook.errors import ForbiddenJob, UnreadableJob
+from payhook.errors import ForbiddenJob, PayhookError, RefusedJob, UnreadableJob
 from payhook.jobhash import check_job_id, data_bound
 from payhook.queue import APPLY_EVENT, ReadableJob
 from payhook.settings import MAX_JOB_TIMEOUT, Settings
@@ -56,6 +56,8 @@ FAULT_KILL_BETWEEN_START_WRITES = "consumer_kill_between_start_writes"
 
 class PayhookJob(ReadableJob):
     allowed_functions = ALLOWED_FUNCTIONS
+    #: Applies the job's event: its worker's, given to each job it runs.
+    applier: Applier | None = None
     #: What the job carries that payhook never writes, found when it was read.
     _refused: str | None = None
 
@@ -117,7 +119,20 @@ class PayhookJob(ReadableJob):
         if not isinstance(args, list | tuple) or len(args) != 1 or kwargs:
             self.retries_left = 0
             raise ForbiddenJob(f"job {self.id} has arguments payhook never writes")
+        if name == APPLY_EVENT:
+            return self._apply_event
         return super().func
+
+    def _apply_event(self, envelope: Any) -> dict[str, Any]:
+        """What RQ runs for `consumer.jobs.apply_event`: the worker's applier
+        finishes the event it began, or applies it now."""
+        if self.applier is None:
+            raise PayhookError(f"job {self.id} runs only in a payhook consumer, on its Applier")
+        try:
+            return self.applier.finish(self.id, envelope)
+        except RefusedJob:
+            self.retries_left = 0  # retrying would only record the anomaly again
+            raise
 
     @property
     def success_callback(self) -> Any:
@@ -270,6 +285,8 @@ class PayhookWorker(SimpleWorker):
     job_class = PayhookJob
     queue_class = PayhookQueue
     job_grace = 15
+    #: Applies the events of the jobs this worker runs (`consumer.main` gives it).
+    applier: Applier | None = None
     #: Test-only fault points (PAYHOOK_FAULTS).
     faults: frozenset[str] = frozenset()
     #: A signal asked the worker to stop. RQ's loop also ends, quietly, on a
@@ -288,6 +305,8 @@ class PayhookWorker(SimpleWorker):
         # a stop asked for while it is begun waits for it to finish, instead
         # of raising StopRequested in the middle of `begin_ahead`.
         self._state = WorkerStatus.BUSY
+        if isinstance(job, PayhookJob):
+            job.applier = self.applier
         self.begin_ahead(job)
         super().execute_job(job, queue)
 
@@ -297,13 +316,15 @@ class PayhookWorker(SimpleWorker):
         super().prepare_job_execution(job, remove_from_intermediate_queue)
 
     def begin_ahead(self, job: Job) -> None:
-        """Begin applying the event of an `apply_event` job (`jobs.begin`);
-        any other job is left to RQ, which refuses or fails it.
+        """Begin applying the event of an `apply_event` job on the applier
+        (`Applier.begin`); any other job is left to RQ, which refuses or fails it.
 
         This runs in RQ's loop, outside the job: an error here would stop the
-        worker. A job that cannot be begun is left to its job function, which
-        applies the event itself or fails the job as RQ records failures.
+        worker. A job that cannot be begun is left to its job, which applies
+        the event itself or fails as RQ records failures.
         """
+        if self.applier is None:
+            return
         try:
             if job.func_name != APPLY_EVENT:
                 return
@@ -311,7 +332,7 @@ class PayhookWorker(SimpleWorker):
         except Exception:  # refused, or unreadable: RQ fails the job as usual
             return
         try:
-            jobs.begin(job.id, job.args[0])
+            self.applier.begin(job.id, job.args[0])
         except Exception:
             log.exception("event_not_begun", job_id=job.id)
             return
@@ -320,7 +341,8 @@ class PayhookWorker(SimpleWorker):
 
     def _killed_by_fault(self, fault: str) -> None:
         """Once the event begun is committed (or has failed)."""
-        jobs.wait_for_ahead()
+        if self.applier is not None:
+            self.applier.wait()
         log.warning("fault_kill", fault=fault)
         os.kill(os.getpid(), signal.SIGKILL)
 

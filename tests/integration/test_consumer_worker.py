@@ -6,7 +6,6 @@ import dataclasses
 import os
 import signal
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import psycopg
@@ -16,22 +15,18 @@ from rq.job import Job, JobStatus
 from rq.registry import StartedJobRegistry
 from rq.serializers import JSONSerializer
 
+from consumer import applier as applier_module
 from consumer import jobs
+from consumer.applier import Applier
 from consumer.handler import Runtime
 from consumer.main import build_worker
 from consumer.worker import PayhookWorker
+from payhook.errors import PayhookError
 from payhook.queue import enqueue_event, events_queue
 from payhook.settings import Settings
 from tests.factories import Factory, StandardEvent
 from tests.locks import released_after
 from tests.processes import wait_until
-
-
-@pytest.fixture
-def installed(runtime: Runtime) -> Iterator[Runtime]:
-    jobs.install_runtime(runtime)
-    yield runtime
-    jobs.install_runtime(None)
 
 
 class Watched(PayhookWorker):
@@ -58,27 +53,31 @@ class Watched(PayhookWorker):
         assert job.id not in StartedJobRegistry(job.origin, connection=self.connection)
 
 
-def built_as(cls: type[PayhookWorker], settings: Settings, **extra: Any) -> Any:
+def built_as(
+    cls: type[PayhookWorker], settings: Settings, runtime: Runtime | None, **extra: Any
+) -> Any:
     """A worker of class `cls`, otherwise as `payhook consumer` builds its own."""
-    built = build_worker(settings)
-    return cls(
+    built = build_worker(settings, runtime)
+    worker = cls(
         [settings.queue],
         connection=built.connection,
         serializer=JSONSerializer,
         job_class=built.job_class,
         **extra,
     )
+    worker.applier = built.applier
+    return worker
 
 
 def test_the_event_commits_while_rq_records_its_job_as_started(
-    settings: Settings, redis_conn: Redis, factory: Factory, installed: Runtime
+    settings: Settings, redis_conn: Redis, factory: Factory, runtime: Runtime
 ) -> None:
     shop = factory.shop()
     order_id = factory.order(shop)
     queue = events_queue(redis_conn, settings)
     job = enqueue_event(queue, factory.standard_envelope(shop, StandardEvent()), settings)
 
-    worker = built_as(Watched, settings, factory=factory)
+    worker = built_as(Watched, settings, runtime, factory=factory)
     worker.work(burst=True, logging_level="ERROR")
 
     assert worker.applied_before_started == [True]
@@ -90,37 +89,46 @@ def test_the_event_commits_while_rq_records_its_job_as_started(
 
 
 def test_the_event_is_applied_on_the_applier_thread(
-    settings: Settings, redis_conn: Redis, factory: Factory, installed: Runtime
+    settings: Settings, redis_conn: Redis, factory: Factory, runtime: Runtime
 ) -> None:
     shop = factory.shop()
     factory.order(shop)
     queue = events_queue(redis_conn, settings)
     enqueue_event(queue, factory.standard_envelope(shop, StandardEvent()), settings)
     threads = []
-    handle = jobs.handle
+    handle = applier_module.handle
 
     def spy(runtime: Runtime, envelope: Any) -> Any:
         threads.append(threading.current_thread().name)
         return handle(runtime, envelope)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(jobs, "handle", spy)
-        build_worker(settings).work(burst=True, logging_level="ERROR")
+        patch.setattr(applier_module, "handle", spy)
+        build_worker(settings, runtime).work(burst=True, logging_level="ERROR")
     assert len(threads) == 1 and threads[0].startswith("payhook-applier")
 
 
-def test_a_job_function_called_without_a_worker_applies_the_event_itself(
-    settings: Settings, factory: Factory, installed: Runtime
+def test_a_job_the_worker_did_not_begin_is_applied_on_its_own_thread(
+    settings: Settings, factory: Factory, runtime: Runtime
 ) -> None:
     shop = factory.shop()
     order_id = factory.order(shop)
     envelope = factory.standard_envelope(shop, StandardEvent())
-    assert jobs.apply_event(envelope.to_json())["outcome"] == "applied"
+    applier = Applier(runtime)
+    try:
+        assert applier.finish("a-job", envelope.to_json())["outcome"] == "applied"
+    finally:
+        applier.close()
     assert factory.order_state(shop, order_id) == "paid"
 
 
+def test_the_job_function_run_outside_a_consumer_refuses() -> None:
+    with pytest.raises(PayhookError, match="only in a payhook consumer"):
+        jobs.apply_event({})
+
+
 def test_a_job_that_cannot_be_begun_ahead_is_applied_by_its_job_function(
-    settings: Settings, redis_conn: Redis, factory: Factory, installed: Runtime
+    settings: Settings, redis_conn: Redis, factory: Factory, runtime: Runtime
 ) -> None:
     """Beginning runs in RQ's loop, outside the job: a failure there must not
     stop the worker, and the job still applies its event, once."""
@@ -129,12 +137,12 @@ def test_a_job_that_cannot_be_begun_ahead_is_applied_by_its_job_function(
     queue = events_queue(redis_conn, settings)
     job = enqueue_event(queue, factory.standard_envelope(shop, StandardEvent()), settings)
 
-    def broken(job_id: str, envelope: Any) -> None:
+    def broken(self: Applier, job_id: str, envelope: Any) -> None:
         raise RuntimeError("cannot schedule new futures after interpreter shutdown")
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(jobs, "begin", broken)
-        build_worker(settings).work(burst=True, logging_level="ERROR")
+        patch.setattr(Applier, "begin", broken)
+        build_worker(settings, runtime).work(burst=True, logging_level="ERROR")
 
     done = Job.fetch(job.id, connection=redis_conn, serializer=JSONSerializer)
     assert done.return_value() == {"outcome": "applied", "order_id": order_id, "retries": 0}
@@ -164,7 +172,7 @@ def test_a_job_unreadable_or_of_another_shape_fails_and_the_worker_goes_on(
     settings: Settings,
     redis_conn: Redis,
     factory: Factory,
-    installed: Runtime,
+    runtime: Runtime,
     field: str,
     value: bytes,
 ) -> None:
@@ -179,7 +187,7 @@ def test_a_job_unreadable_or_of_another_shape_fails_and_the_worker_goes_on(
     redis_conn.hset(unreadable.key, field, value)
     job = enqueue_event(queue, factory.standard_envelope(shop, StandardEvent()), settings)
 
-    worker = build_worker(settings)
+    worker = build_worker(settings, runtime)
     worker.work(burst=True, logging_level="ERROR")
 
     assert not worker.stop_requested_by_signal
@@ -213,7 +221,7 @@ class StoppedWhileBeginning(PayhookWorker):
 
 
 def test_a_stop_asked_for_while_an_event_is_begun_waits_for_its_job(
-    settings: Settings, redis_conn: Redis, factory: Factory, installed: Runtime
+    settings: Settings, redis_conn: Redis, factory: Factory, runtime: Runtime
 ) -> None:
     """SIGTERM as the event is begun, before RQ recorded anything of the job:
     the job finishes, then the worker stops, leaving the next job queued."""
@@ -226,7 +234,7 @@ def test_a_stop_asked_for_while_an_event_is_begun_waits_for_its_job(
     )
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        worker = built_as(StoppedWhileBeginning, settings)
+        worker = built_as(StoppedWhileBeginning, settings, runtime)
         worker.work(burst=True, logging_level="ERROR")
     finally:
         for sig, handler in handlers.items():
@@ -245,7 +253,7 @@ class NothingAhead(PayhookWorker):
 
 
 def test_an_outcome_begun_for_another_job_is_not_taken(
-    settings: Settings, redis_conn: Redis, factory: Factory, installed: Runtime
+    settings: Settings, redis_conn: Redis, factory: Factory, runtime: Runtime
 ) -> None:
     """A job whose function never ran (RQ could not record it) leaves its
     outcome behind; the next job applies its own event."""
@@ -253,13 +261,15 @@ def test_an_outcome_begun_for_another_job_is_not_taken(
     first = factory.order(shop, "order-1", "pi_1")
     second = factory.order(shop, "order-2", "pi_2")
     begun = StandardEvent(gateway_order_id="pi_1", merchant_reference="order-1")
-    jobs.begin("another-job", factory.standard_envelope(shop, begun).to_json())
-    jobs.wait_for_ahead()
+    worker = built_as(NothingAhead, settings, runtime)
+    assert worker.applier is not None
+    worker.applier.begin("another-job", factory.standard_envelope(shop, begun).to_json())
+    worker.applier.wait()
     own = StandardEvent(gateway_order_id="pi_2", merchant_reference="order-2")
     queue = events_queue(redis_conn, settings)
     job = enqueue_event(queue, factory.standard_envelope(shop, own), settings)
 
-    built_as(NothingAhead, settings).work(burst=True, logging_level="ERROR")
+    worker.work(burst=True, logging_level="ERROR")
 
     done = Job.fetch(job.id, connection=redis_conn, serializer=JSONSerializer)
     assert done.return_value() == {"outcome": "applied", "order_id": second, "retries": 0}
@@ -268,7 +278,7 @@ def test_an_outcome_begun_for_another_job_is_not_taken(
 
 
 def test_a_job_timeout_while_the_applier_waits_on_a_lock_cancels_its_statement(
-    settings: Settings, redis_conn: Redis, factory: Factory, installed: Runtime
+    settings: Settings, redis_conn: Redis, factory: Factory, runtime: Runtime
 ) -> None:
     """RQ's timeout interrupts the job function, on the main thread, while the
     applier thread waits on a row lock: the statement is cancelled then, and
@@ -281,8 +291,10 @@ def test_a_job_timeout_while_the_applier_waits_on_a_lock_cancels_its_statement(
     with psycopg.connect(str(settings.database_url)) as holder:
         holder.execute("SELECT 1 FROM payhook.payment_orders WHERE id = %s FOR UPDATE", (order_id,))
         with released_after(holder) as released_by_watchdog:
-            build_worker(short).work(burst=True, logging_level="ERROR")
-            jobs.wait_for_ahead()
+            worker = build_worker(short, runtime)
+            worker.work(burst=True, logging_level="ERROR")
+            assert worker.applier is not None
+            worker.applier.wait()
         assert not released_by_watchdog.is_set(), "the statement waited for the lock holder"
         holder.rollback()
     failed = Job.fetch(job.id, connection=redis_conn, serializer=JSONSerializer)

@@ -26,7 +26,6 @@ from starlette.applications import Starlette
 from structlog.testing import capture_logs
 
 from consumer.handler import Runtime
-from consumer.jobs import install_runtime
 from consumer.main import build_worker
 from control import admin
 from ingress.app import Ingress, create_app
@@ -98,15 +97,14 @@ def drain(settings: Settings) -> list[dict[str, Any]]:
     """Run the consumer's RQ worker in burst mode; the results of the jobs it ran."""
     pool = create_pool(settings, "test", size=2)
     pool.open(wait=True)
-    install_runtime(Runtime(settings=settings, pool=pool))
     redis = Redis.from_url(settings.redis_url)
     try:
         ids = [i.decode() for i in redis.lrange(f"rq:queue:{settings.queue}", 0, -1)]
-        build_worker(settings).work(burst=True, with_scheduler=False, logging_level="WARNING")
+        worker = build_worker(settings, Runtime(settings=settings, pool=pool))
+        worker.work(burst=True, with_scheduler=False, logging_level="WARNING")
         jobs = [Job.fetch(i, redis, serializer=JSONSerializer) for i in ids]
         return [job.return_value() for job in jobs]
     finally:
-        install_runtime(None)
         pool.close()
         redis.close()
 

@@ -26,7 +26,6 @@ from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 
 from consumer.handler import Runtime
-from consumer.jobs import install_runtime
 from consumer.main import build_worker
 from consumer.transaction import Endpoint, apply_event
 from consumer.worker import PayhookJob, PayhookWorker
@@ -180,7 +179,7 @@ def test_a_dead_letter_job_requeued_from_the_cli_is_applied_by_a_consumer(
     status, text = run(settings, "dlq", "list")
     [listed] = lines(text)
     assert listed["id"] == job.id and listed["function"] == APPLY_EVENT
-    assert "runtime is not installed" in listed["error"]
+    assert "runs only in a payhook consumer" in listed["error"]
 
     status, text = run(settings, "dlq", "requeue", job.id)
     assert (status, lines(text)) == (0, [{"id": job.id, "requeued": True}])
@@ -192,11 +191,10 @@ def test_a_dead_letter_job_requeued_from_the_cli_is_applied_by_a_consumer(
 
     pool = create_pool(settings, "test", size=1)
     pool.open()
-    install_runtime(Runtime(settings=settings, pool=pool, redis=redis_conn))
     try:
-        build_worker(settings).work(burst=True, logging_level="ERROR")
+        runtime = Runtime(settings=settings, pool=pool, redis=redis_conn)
+        build_worker(settings, runtime).work(burst=True, logging_level="ERROR")
     finally:
-        install_runtime(None)
         pool.close()
     assert Job.fetch(job.id, connection=redis_conn, serializer=JSONSerializer).return_value() == {
         "outcome": "applied",
@@ -495,7 +493,7 @@ def test_a_dead_letter_job_whose_result_cannot_be_read_hides_no_other(
     assert status == 0 and set(listed) == {damaged.id, good.id}
     assert listed[damaged.id]["error"] == "unreadable result: zlib.error"
     assert listed[damaged.id]["function"] == APPLY_EVENT
-    assert "runtime is not installed" in listed[good.id]["error"]
+    assert "runs only in a payhook consumer" in listed[good.id]["error"]
     done = run_cli(settings, "dlq", "list")
     assert done.returncode == 0 and "Traceback" not in done.stderr
     assert {row["id"] for row in lines(done.stdout)} == {damaged.id, good.id}

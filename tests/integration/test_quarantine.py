@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import uuid
 import zlib
-from collections.abc import Iterator
 
 import pytest
 from redis import Redis
@@ -14,7 +13,6 @@ from rq.job import Job, JobStatus
 from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 
-from consumer import jobs
 from consumer.handler import Runtime
 from consumer.main import build_worker
 from payhook import quarantine
@@ -23,13 +21,6 @@ from payhook.queue import enqueue_event, events_queue
 from payhook.settings import Settings
 from tests.factories import Factory, Shop, StandardEvent
 from tests.processes import run_cli
-
-
-@pytest.fixture
-def installed(runtime: Runtime) -> Iterator[Runtime]:
-    jobs.install_runtime(runtime)
-    yield runtime
-    jobs.install_runtime(None)
 
 
 def enqueue(settings: Settings, redis_conn: Redis, factory: Factory, shop: Shop) -> Job:
@@ -69,7 +60,7 @@ def test_a_job_with_an_unreadable_field_is_quarantined_and_the_next_is_applied(
     settings: Settings,
     redis_conn: Redis,
     factory: Factory,
-    installed: Runtime,
+    runtime: Runtime,
     field: str,
     value: bytes,
 ) -> None:
@@ -78,7 +69,7 @@ def test_a_job_with_an_unreadable_field_is_quarantined_and_the_next_is_applied(
     redis_conn.hset(forged.key, field, value)
     valid = enqueue(settings, redis_conn, factory, shop)
 
-    worker = build_worker(settings)
+    worker = build_worker(settings, runtime)
     worker.work(burst=True, logging_level="ERROR")
 
     assert Job.fetch(valid.id, connection=redis_conn, serializer=JSONSerializer).get_status() == (
@@ -100,7 +91,7 @@ def test_a_job_with_an_unreadable_field_is_quarantined_and_the_next_is_applied(
     ids=["not-utf8", "composite", "upper-case", "long"],
 )
 def test_an_id_payhook_never_writes_is_quarantined(
-    settings: Settings, redis_conn: Redis, factory: Factory, installed: Runtime, raw_id: bytes
+    settings: Settings, redis_conn: Redis, factory: Factory, runtime: Runtime, raw_id: bytes
 ) -> None:
     shop = factory.shop()
     template = enqueue(settings, redis_conn, factory, shop)
@@ -111,7 +102,7 @@ def test_an_id_payhook_never_writes_is_quarantined(
     redis_conn.hset(b"rq:job:" + raw_id, mapping={"data": b"[]", "origin": settings.queue})
     valid = enqueue(settings, redis_conn, factory, shop)
 
-    build_worker(settings).work(burst=True, logging_level="ERROR")
+    build_worker(settings, runtime).work(burst=True, logging_level="ERROR")
 
     assert valid.get_status(refresh=True) == JobStatus.FINISHED
     [entry] = quarantine.list_jobs(redis_conn, settings.queue)
@@ -120,7 +111,7 @@ def test_an_id_payhook_never_writes_is_quarantined(
 
 
 def test_a_key_of_another_type_is_quarantined(
-    settings: Settings, redis_conn: Redis, factory: Factory, installed: Runtime
+    settings: Settings, redis_conn: Redis, factory: Factory, runtime: Runtime
 ) -> None:
     shop = factory.shop()
     forged = enqueue(settings, redis_conn, factory, shop)
@@ -128,7 +119,7 @@ def test_a_key_of_another_type_is_quarantined(
     redis_conn.set(forged.key, b"not a hash")
     valid = enqueue(settings, redis_conn, factory, shop)
 
-    build_worker(settings).work(burst=True, logging_level="ERROR")
+    build_worker(settings, runtime).work(burst=True, logging_level="ERROR")
 
     assert valid.get_status(refresh=True) == JobStatus.FINISHED
     [entry] = quarantine.list_jobs(redis_conn, settings.queue)
@@ -136,26 +127,26 @@ def test_a_key_of_another_type_is_quarantined(
 
 
 def test_a_hash_without_data_is_quarantined_not_passed_over(
-    settings: Settings, redis_conn: Redis, factory: Factory, installed: Runtime
+    settings: Settings, redis_conn: Redis, factory: Factory, runtime: Runtime
 ) -> None:
     shop = factory.shop()
     forged = enqueue(settings, redis_conn, factory, shop)
     redis_conn.hdel(forged.key, "data")
 
-    build_worker(settings).work(burst=True, logging_level="ERROR")
+    build_worker(settings, runtime).work(burst=True, logging_level="ERROR")
 
     [entry] = quarantine.list_jobs(redis_conn, settings.queue)
     assert entry.reason == "data: missing"
 
 
 def test_a_job_from_another_queue_is_quarantined(
-    settings: Settings, redis_conn: Redis, factory: Factory, installed: Runtime
+    settings: Settings, redis_conn: Redis, factory: Factory, runtime: Runtime
 ) -> None:
     shop = factory.shop()
     forged = enqueue(settings, redis_conn, factory, shop)
     redis_conn.hset(forged.key, "origin", "elsewhere")
 
-    build_worker(settings).work(burst=True, logging_level="ERROR")
+    build_worker(settings, runtime).work(burst=True, logging_level="ERROR")
 
     assert receipts(factory) == 0
     [entry] = quarantine.list_jobs(redis_conn, settings.queue)
@@ -177,7 +168,7 @@ def test_a_job_naming_a_callback_or_dependencies_is_refused_before_it_is_applied
     settings: Settings,
     redis_conn: Redis,
     factory: Factory,
-    installed: Runtime,
+    runtime: Runtime,
     field: str,
     value: str,
 ) -> None:
@@ -185,7 +176,7 @@ def test_a_job_naming_a_callback_or_dependencies_is_refused_before_it_is_applied
     forged = enqueue(settings, redis_conn, factory, shop)
     redis_conn.hset(forged.key, field, value)
 
-    build_worker(settings).work(burst=True, logging_level="ERROR")
+    build_worker(settings, runtime).work(burst=True, logging_level="ERROR")
 
     assert receipts(factory) == 0
     assert forged.id in FailedJobRegistry(settings.queue, connection=redis_conn)
@@ -193,12 +184,12 @@ def test_a_job_naming_a_callback_or_dependencies_is_refused_before_it_is_applied
 
 
 def test_maintenance_quarantines_what_it_would_otherwise_fail_on(
-    settings: Settings, redis_conn: Redis, factory: Factory, installed: Runtime
+    settings: Settings, redis_conn: Redis, factory: Factory, runtime: Runtime
 ) -> None:
     """Unreadable jobs left in the intermediate list (a worker killed after
     the move), among the abandoned jobs and among the due retries."""
     shop = factory.shop()
-    worker = build_worker(settings)
+    worker = build_worker(settings, runtime)
     queue = worker.queues[0]
     stranded, abandoned, retried = (enqueue(settings, redis_conn, factory, shop) for _ in range(3))
     for job in (stranded, abandoned, retried):
@@ -227,12 +218,12 @@ def test_maintenance_quarantines_what_it_would_otherwise_fail_on(
 
 
 def test_show_describes_a_job_without_its_data_and_purge_deletes_it(
-    settings: Settings, redis_conn: Redis, factory: Factory, installed: Runtime
+    settings: Settings, redis_conn: Redis, factory: Factory, runtime: Runtime
 ) -> None:
     shop = factory.shop()
     forged = enqueue(settings, redis_conn, factory, shop)
     redis_conn.hset(forged.key, "status", "exploded")
-    build_worker(settings).work(burst=True, logging_level="ERROR")
+    build_worker(settings, runtime).work(burst=True, logging_level="ERROR")
 
     shown = quarantine.show(redis_conn, settings.queue, forged.id.encode())
     assert shown is not None
@@ -248,13 +239,13 @@ def test_show_describes_a_job_without_its_data_and_purge_deletes_it(
 
 
 def test_the_quarantine_command_lists_shows_and_purges(
-    settings: Settings, redis_conn: Redis, factory: Factory, installed: Runtime
+    settings: Settings, redis_conn: Redis, factory: Factory, runtime: Runtime
 ) -> None:
     shop = factory.shop()
     forged = enqueue(settings, redis_conn, factory, shop)
     redis_conn.hset(forged.key, "ttl", "forever")
     quarantine.move(redis_conn, settings.queue, b"odd\xff", "id: not a job id payhook writes")
-    build_worker(settings).work(burst=True, logging_level="ERROR")
+    build_worker(settings, runtime).work(burst=True, logging_level="ERROR")
 
     listed = run_cli(settings, "quarantine", "list")
     assert listed.returncode == 0, listed.stderr

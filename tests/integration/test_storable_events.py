@@ -14,7 +14,7 @@ import json
 import logging
 import secrets
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
@@ -26,7 +26,8 @@ from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 from structlog.testing import capture_logs
 
-from consumer import handler, jobs
+from consumer import handler
+from consumer.applier import Applier
 from consumer.handler import Runtime
 from consumer.main import build_worker
 from control import operations
@@ -45,11 +46,13 @@ YEAR_10000 = 253402300800
 YEAR_3000 = 32503680000
 
 
-@pytest.fixture
-def installed(runtime: Runtime) -> Iterator[Runtime]:
-    jobs.install_runtime(runtime)
-    yield runtime
-    jobs.install_runtime(None)
+def apply_now(runtime: Runtime, envelope: Any) -> dict[str, Any]:
+    """A job as a worker runs it when it began nothing: applied on this thread."""
+    applier = Applier(runtime)
+    try:
+        return applier.finish(None, envelope)
+    finally:
+        applier.close()
 
 
 @dataclass(frozen=True)
@@ -135,11 +138,13 @@ def deliveries(shop: Shop, hostile: Hostile) -> tuple[str, list[Envelope]]:
     return first["id"], [envelope(shop, b, stripe_headers(shop.secret, b)) for b in bodies]
 
 
-def run_worker(settings: Settings, redis_conn: Redis, envelopes: list[Envelope]) -> list[Job]:
+def run_worker(
+    settings: Settings, runtime: Runtime, redis_conn: Redis, envelopes: list[Envelope]
+) -> list[Job]:
     """Each envelope as a job, run by a real consumer worker; the jobs after."""
     queue = events_queue(redis_conn, settings)
     queued = [enqueue_event(queue, e, settings) for e in envelopes]
-    build_worker(settings).work(burst=True, logging_level="ERROR")
+    build_worker(settings, runtime).work(burst=True, logging_level="ERROR")
     return [Job.fetch(j.id, connection=redis_conn, serializer=JSONSerializer) for j in queued]
 
 
@@ -156,7 +161,7 @@ def test_an_event_that_cannot_be_stored_as_it_is_is_one_malformed_receipt(
     settings: Settings,
     redis_conn: Redis,
     factory: Factory,
-    installed: Runtime,
+    runtime: Runtime,
     caplog: pytest.LogCaptureFixture,
     hostile: Hostile,
 ) -> None:
@@ -165,7 +170,7 @@ def test_an_event_that_cannot_be_stored_as_it_is_is_one_malformed_receipt(
     gateway_id, envelopes = deliveries(shop, hostile)
 
     with capture_logs() as logs, caplog.at_level(logging.DEBUG):
-        done = run_worker(settings, redis_conn, envelopes)
+        done = run_worker(settings, runtime, redis_conn, envelopes)
 
     assert [job.get_status() for job in done] == [JobStatus.FINISHED] * 2
     assert [job.return_value() for job in done] == [
@@ -208,13 +213,13 @@ def test_an_event_that_cannot_be_stored_as_it_is_is_one_malformed_receipt(
     ids=["json-without-id", "not-utf8"],
 )
 def test_two_deliveries_of_a_body_without_a_readable_id_are_one_receipt(
-    runtime: Runtime, factory: Factory, installed: Runtime, body: bytes
+    runtime: Runtime, factory: Factory, body: bytes
 ) -> None:
     """Keyed by the body's digest, not by the delivery: the gateway's retries
     of an event payhook cannot read do not each add a receipt."""
     shop = factory.shop("stripe")
     headers = stripe_headers(shop.secret, body)
-    outcomes = [jobs.apply_event(envelope(shop, body, headers).to_json()) for _ in range(2)]
+    outcomes = [apply_now(runtime, envelope(shop, body, headers).to_json()) for _ in range(2)]
     assert [o["outcome"] for o in outcomes] == ["malformed", "duplicate"]
     receipts = factory.conn.execute(
         "SELECT event_id, event_type FROM payhook.payment_event_receipts"
@@ -226,9 +231,7 @@ def test_two_deliveries_of_a_body_without_a_readable_id_are_one_receipt(
     assert MARK not in stored_text(factory)
 
 
-def test_a_time_with_a_sub_second_utc_offset_is_applied(
-    runtime: Runtime, factory: Factory, installed: Runtime
-) -> None:
+def test_a_time_with_a_sub_second_utc_offset_is_applied(runtime: Runtime, factory: Factory) -> None:
     """Python reads an offset PostgreSQL does not: the event's time is stored in UTC."""
     shop = factory.shop()
     order_id = factory.order(shop)
@@ -238,12 +241,12 @@ def test_a_time_with_a_sub_second_utc_offset_is_applied(
     payload["timestamp"] = datetime.now(UTC).astimezone(odd).isoformat()
     body = json.dumps(payload).encode()
     job = envelope(shop, body, event.headers(shop.secret, body))
-    assert jobs.apply_event(job.to_json())["outcome"] == "applied"
+    assert apply_now(runtime, job.to_json())["outcome"] == "applied"
     assert factory.order_state(shop, order_id) == "paid"
 
 
 def test_an_event_dated_ahead_redelivered_once_its_time_came_is_a_duplicate(
-    runtime: Runtime, factory: Factory, installed: Runtime, monkeypatch: pytest.MonkeyPatch
+    runtime: Runtime, factory: Factory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Recorded with the digest of its content, as it would be once storable:
     the redelivery is no digest conflict."""
@@ -251,12 +254,12 @@ def test_an_event_dated_ahead_redelivered_once_its_time_came_is_a_duplicate(
     order_id = factory.order(shop)
     ahead = datetime.now(UTC) + timedelta(days=2)
     event = StandardEvent(timestamp=int(ahead.timestamp()))
-    assert jobs.apply_event(factory.standard_envelope(shop, event).to_json())["outcome"] == (
+    assert apply_now(runtime, factory.standard_envelope(shop, event).to_json())["outcome"] == (
         "malformed"
     )
     later = ahead + timedelta(hours=1)
     monkeypatch.setattr(handler, "storable_event", lambda e: storable.storable_event(e, later))
-    assert jobs.apply_event(factory.standard_envelope(shop, event).to_json())["outcome"] == (
+    assert apply_now(runtime, factory.standard_envelope(shop, event).to_json())["outcome"] == (
         "duplicate"
     )
     assert factory.count("security_anomalies") == 0
@@ -292,7 +295,7 @@ def test_a_database_error_in_a_job_carries_no_text_of_the_event(
     settings: Settings,
     redis_conn: Redis,
     factory: Factory,
-    installed: Runtime,
+    runtime: Runtime,
     caplog: pytest.LogCaptureFixture,
     sqlstate: str,
     error: str,
@@ -305,14 +308,14 @@ def test_a_database_error_in_a_job_carries_no_text_of_the_event(
     job = factory.standard_envelope(shop, StandardEvent(type=f"customer.{MARK}"))
 
     with pytest.raises(Exception) as raised:
-        jobs.apply_event(job.to_json())
+        apply_now(runtime, job.to_json())
     assert not isinstance(raised.value, psycopg.Error)
     failure = "".join(traceback.format_exception(raised.value))
     assert error in failure and MARK not in failure
 
     once = dataclasses.replace(settings, job_retry_intervals=(0,))
     with capture_logs() as logs, caplog.at_level(logging.DEBUG):
-        (failed,) = run_worker(once, redis_conn, [job])
+        (failed,) = run_worker(once, runtime, redis_conn, [job])
     assert failed.get_status() == JobStatus.FAILED
     result = failed.latest_result()
     assert result is not None and result.exc_string is not None
