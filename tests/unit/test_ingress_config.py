@@ -7,7 +7,13 @@ import gc
 import pytest
 import structlog
 
-from ingress.config import DEFAULT_RETRY_AFTER, IngressConfig
+from ingress.config import (
+    DEFAULT_KEEP_ALIVE,
+    DEFAULT_LIMIT_CONCURRENCY,
+    DEFAULT_READ_TIMEOUT,
+    DEFAULT_RETRY_AFTER,
+    IngressConfig,
+)
 from ingress.main import app_from_env
 from ingress.routes import TOLERANCES
 from payhook.errors import SettingsError
@@ -30,6 +36,43 @@ def test_retry_after_defaults_and_reads_durations() -> None:
 def test_bad_retry_after_names_the_variable(raw: str) -> None:
     with pytest.raises(SettingsError, match="PAYHOOK_INGRESS_RETRY_AFTER"):
         config(PAYHOOK_INGRESS_RETRY_AFTER=raw)
+
+
+def test_read_timeout_defaults_and_reads_durations() -> None:
+    assert config().read_timeout == DEFAULT_READ_TIMEOUT == 10
+    assert config(PAYHOOK_READ_TIMEOUT="1s").read_timeout == 1
+    assert config(PAYHOOK_READ_TIMEOUT="2500ms").read_timeout == 2.5
+    assert config(PAYHOOK_READ_TIMEOUT="5m").read_timeout == 300
+
+
+@pytest.mark.parametrize("raw", ["soon", "", "-1s", "0", "999ms", "301s", "1h"])
+def test_bad_or_unreasonable_read_timeout_names_the_variable(raw: str) -> None:
+    with pytest.raises(SettingsError, match="PAYHOOK_READ_TIMEOUT"):
+        config(PAYHOOK_READ_TIMEOUT=raw)
+
+
+def test_connection_limit_defaults_and_reads_numbers() -> None:
+    assert config().limit_concurrency == DEFAULT_LIMIT_CONCURRENCY == 1000
+    assert config(PAYHOOK_INGRESS_LIMIT_CONCURRENCY="50").limit_concurrency == 50
+
+
+@pytest.mark.parametrize("raw", ["many", "", "1.5", "0", "1", "-3"])
+def test_bad_connection_limit_names_the_variable(raw: str) -> None:
+    """One would refuse every request: uvicorn counts the asking connection."""
+    with pytest.raises(SettingsError, match="PAYHOOK_INGRESS_LIMIT_CONCURRENCY"):
+        config(PAYHOOK_INGRESS_LIMIT_CONCURRENCY=raw)
+
+
+def test_keep_alive_defaults_and_rounds_up_to_whole_seconds() -> None:
+    assert config().keep_alive == DEFAULT_KEEP_ALIVE == 5
+    assert config(PAYHOOK_INGRESS_KEEP_ALIVE="75s").keep_alive == 75
+    assert config(PAYHOOK_INGRESS_KEEP_ALIVE="1500ms").keep_alive == 2
+
+
+@pytest.mark.parametrize("raw", ["forever", "", "0", "500ms", "2h"])
+def test_bad_keep_alive_names_the_variable(raw: str) -> None:
+    with pytest.raises(SettingsError, match="PAYHOOK_INGRESS_KEEP_ALIVE"):
+        config(PAYHOOK_INGRESS_KEEP_ALIVE=raw)
 
 
 def test_every_gateway_has_a_timestamp_tolerance() -> None:
