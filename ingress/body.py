@@ -24,20 +24,26 @@ async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
     declared = header(scope, b"content-length")
     if declared.isascii() and declared.isdigit() and int(declared) > limit:
         raise BodyTooLarge()
-    chunks: list[bytes] = []
-    size = 0
-    more = True
-    while more:
+    return await _read(receive, limit)
+
+
+async def _read(receive: Receive, limit: int) -> bytes:
+    # One growing buffer, not a list of chunks: a body trickled a few bytes at
+    # a time would otherwise hold an object per chunk, many times its size.
+    buffer = bytearray()
+    while True:
         message = await receive()
         if message["type"] == "http.disconnect":
             raise ClientDisconnect()
         chunk: bytes = message.get("body", b"")
-        more = message.get("more_body", False)
-        size += len(chunk)
-        if size > limit:
+        if len(buffer) + len(chunk) > limit:
             raise BodyTooLarge()
-        chunks.append(chunk)
-    return b"".join(chunks)
+        if not message.get("more_body", False):
+            if not buffer:
+                return chunk  # the usual case: the whole body in one message, not copied
+            buffer += chunk
+            return bytes(buffer)
+        buffer += chunk
 
 
 def header(scope: Scope, name: bytes) -> bytes:

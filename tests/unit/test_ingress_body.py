@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import tracemalloc
 
 import pytest
 from starlette.types import Message, Scope
@@ -15,14 +16,15 @@ CHUNK = 64 * 1024
 class Sender:
     """An ASGI receive callable streaming `chunks` chunks (forever when None)."""
 
-    def __init__(self, chunks: int | None) -> None:
+    def __init__(self, chunks: int | None, size: int = CHUNK) -> None:
         self.chunks = chunks
+        self.size = size
         self.calls = 0
 
     async def __call__(self) -> Message:
         self.calls += 1
         more = self.chunks is None or self.calls < self.chunks
-        return {"type": "http.request", "body": b"x" * CHUNK, "more_body": more}
+        return {"type": "http.request", "body": b"x" * self.size, "more_body": more}
 
 
 def scope(headers: dict[str, str] | None = None) -> Scope:
@@ -48,3 +50,17 @@ def test_body_of_exactly_the_limit_is_read_whole() -> None:
     receive = Sender(chunks=3)
     body = asyncio.run(read_body(scope(), receive, limit=3 * CHUNK))
     assert body == b"x" * 3 * CHUNK
+
+
+def test_a_body_trickled_in_tiny_chunks_holds_little_more_than_its_size() -> None:
+    """A slow sender's chunks are a few bytes each: not an object per chunk."""
+    size = 256 * 1024
+    receive = Sender(chunks=size // 4, size=4)
+    tracemalloc.start()
+    try:
+        body = asyncio.run(read_body(scope(), receive, limit=size))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert len(body) == size
+    assert peak < 3 * size, f"{peak} bytes at most to read {size}"
