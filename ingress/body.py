@@ -1,21 +1,34 @@
-"""Read a request body up to a limit, and not one byte more."""
+"""Read a request body up to a limit and a deadline, and not one byte more."""
 
 from __future__ import annotations
+
+import asyncio
 
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope
 
 from payhook.errors import PayhookError
 
+#: Scope extension in which the server (`ingress.protocol`) gives the read
+#: deadline of the request: `{"at": <loop time by which the whole request must
+#: have arrived>, "complete": <True once it has>}`.
+READ_DEADLINE = "payhook.read_deadline"
+
 
 class BodyTooLarge(PayhookError):
     """The request body is larger than the ingress accepts."""
 
 
-async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+class ReadTimeout(PayhookError):
+    """The request did not arrive whole within the read deadline."""
+
+
+async def read_body(scope: Scope, receive: Receive, limit: int, timeout: float) -> bytes:
     """The whole body, or `BodyTooLarge` as soon as it is known to exceed `limit` bytes.
 
-    `ClientDisconnect` when the sender goes away mid-body.
+    `ClientDisconnect` when the sender goes away mid-body; `ReadTimeout` when
+    the body is not in by the server's deadline for the whole request, or,
+    under a server that gives none, `timeout` seconds from now.
 
     A declared `Content-Length` over the limit is refused before reading
     anything; a body streamed without one is read chunk by chunk and
@@ -24,7 +37,16 @@ async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
     declared = header(scope, b"content-length")
     if declared.isascii() and declared.isdigit() and int(declared) > limit:
         raise BodyTooLarge()
-    return await _read(receive, limit)
+    given = scope.get("extensions", {}).get(READ_DEADLINE)
+    if given is not None and given.get("complete"):
+        # The server already holds all of it: nothing to wait for, no timer to arm.
+        return await _read(receive, limit)
+    deadline = given["at"] if given is not None else asyncio.get_running_loop().time() + timeout
+    try:
+        async with asyncio.timeout_at(deadline):
+            return await _read(receive, limit)
+    except TimeoutError:
+        raise ReadTimeout() from None
 
 
 async def _read(receive: Receive, limit: int) -> bytes:
