@@ -10,6 +10,7 @@ from starlette.applications import Starlette
 
 from ingress.app import create_app
 from ingress.config import IngressConfig
+from ingress.protocol import http_protocol
 from payhook.errors import SettingsError
 from payhook.logs import configure_logging
 from payhook.settings import Settings
@@ -34,7 +35,7 @@ def app_from_env() -> Starlette:
 
 def run(settings: Settings, host: str, port: int, workers: int = 1) -> int:
     """Serve until stopped; settings are checked here so a bad one fails before binding."""
-    IngressConfig.from_settings(settings)
+    config = IngressConfig.from_settings(settings)
     if workers < 1:
         raise SettingsError(f"--workers: expected a number above zero, got {workers}")
     if not 0 <= port <= 65535:
@@ -55,5 +56,9 @@ def run(settings: Settings, host: str, port: int, workers: int = 1) -> int:
         # CPU for nothing, measured with py-spy.
         proxy_headers=False,
         lifespan="on",
+        # Every request must arrive whole in time (ingress.protocol), and
+        # nothing here speaks WebSocket: an upgrade would leave the protocol.
+        http=http_protocol(config.read_timeout),
+        ws="none",
     )
     return 0

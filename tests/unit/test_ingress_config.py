@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import gc
+from typing import Any
 
 import pytest
 import structlog
+import uvicorn
 
 from ingress.config import (
     DEFAULT_KEEP_ALIVE,
@@ -14,7 +16,8 @@ from ingress.config import (
     DEFAULT_RETRY_AFTER,
     IngressConfig,
 )
-from ingress.main import app_from_env
+from ingress.main import app_from_env, run
+from ingress.protocol import ReadDeadlineProtocol
 from ingress.routes import TOLERANCES
 from payhook.errors import SettingsError
 from payhook.gateways import GATEWAYS
@@ -93,3 +96,26 @@ def test_the_app_factory_freezes_start_up_objects_out_of_the_collector(
     finally:
         gc.unfreeze()
         structlog.reset_defaults()  # the factory configured logging
+
+
+def test_the_server_is_run_with_the_read_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    given: dict[str, Any] = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **options: given.update(options))
+    env = {
+        "PAYHOOK_READ_TIMEOUT": "3s",
+    }
+    try:
+        assert run(Settings.from_env(env), "127.0.0.1", 8000) == 0
+    finally:
+        structlog.reset_defaults()  # run configured logging
+    assert given["http"].func is ReadDeadlineProtocol
+    assert given["http"].keywords == {"read_timeout": 3.0}
+    assert given["ws"] == "none"
+
+
+def test_a_bad_setting_stops_the_server_before_it_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(uvicorn, "run", lambda *args, **options: pytest.fail("uvicorn started"))
+    with pytest.raises(SettingsError, match="PAYHOOK_READ_TIMEOUT"):
+        run(Settings.from_env({"PAYHOOK_READ_TIMEOUT": "later"}), "127.0.0.1", 8000)
