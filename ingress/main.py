@@ -60,5 +60,7 @@ def run(settings: Settings, host: str, port: int, workers: int = 1) -> int:
         # nothing here speaks WebSocket: an upgrade would leave the protocol.
         http=http_protocol(config.read_timeout),
         ws="none",
+        limit_concurrency=config.limit_concurrency,
+        timeout_keep_alive=config.keep_alive,
     )
     return 0

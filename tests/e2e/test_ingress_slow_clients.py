@@ -1,7 +1,8 @@
 """The ingress as a real uvicorn process under slow and hostile clients, over real sockets.
 
 Slow clients send a request a byte at a time; the ingress must cut them once
-PAYHOOK_READ_TIMEOUT has passed, and answer the others meanwhile.
+PAYHOOK_READ_TIMEOUT has passed, answer the others meanwhile, and refuse
+connections beyond PAYHOOK_INGRESS_LIMIT_CONCURRENCY.
 """
 
 from __future__ import annotations
@@ -185,6 +186,45 @@ def test_a_normal_webhook_is_accepted_while_slow_clients_hold_connections(
         bodies.wait(5 + LATE)
         assert heads.cut() == bodies.cut() == 100
         assert {answer[:13] for answer in heads.answers + bodies.answers} == {b"HTTP/1.1 408 "}
+
+
+def test_requests_beyond_the_connection_limit_are_503(
+    settings: Settings, factory: Factory, tmp_path: Path
+) -> None:
+    shop = factory.shop()
+    event = StandardEvent()
+    body = event.body()
+
+    def post() -> httpx.Response:
+        headers = event.headers(shop.secret, body)
+        return httpx.post(ingress.url(shop.endpoint_id), content=body, headers=headers, timeout=10)
+
+    limit = {"PAYHOOK_INGRESS_LIMIT_CONCURRENCY": "10", "PAYHOOK_READ_TIMEOUT": "30s"}
+    with ingress_with(settings, tmp_path, **limit) as ingress:
+        with slow_clients(ingress.port, 10, endless_head(shop)[:40], b""):
+            refused = post()
+            assert refused.status_code == 503
+            assert refused.headers["connection"] == "close"
+        # The held connections gone, the same request is accepted.
+        wait = time.monotonic() + 10
+        while (accepted := post()).status_code == 503 and time.monotonic() < wait:
+            time.sleep(0.1)
+        assert accepted.status_code == 202
+
+
+def test_an_idle_kept_alive_connection_is_closed_after_the_keep_alive_timeout(
+    settings: Settings, factory: Factory, tmp_path: Path
+) -> None:
+    with (
+        ingress_with(settings, tmp_path, PAYHOOK_INGRESS_KEEP_ALIVE="1s") as ingress,
+        socket.create_connection(("127.0.0.1", ingress.port), timeout=10) as sock,
+    ):
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nhost: ingress\r\n\r\n")
+        answer = sock.recv(4096)
+        answered = time.monotonic()
+        assert answer.startswith(b"HTTP/1.1 200 ")
+        assert sock.recv(4096) == b""  # waits until the server closes
+        assert 0.9 <= time.monotonic() - answered < 1 + LATE
 
 
 def test_a_head_over_the_limit_is_431_without_being_read_further(

@@ -98,13 +98,15 @@ def test_the_app_factory_freezes_start_up_objects_out_of_the_collector(
         structlog.reset_defaults()  # the factory configured logging
 
 
-def test_the_server_is_run_with_the_read_deadline(
+def test_the_server_is_run_with_the_read_deadline_and_the_limits(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     given: dict[str, Any] = {}
     monkeypatch.setattr(uvicorn, "run", lambda app, **options: given.update(options))
     env = {
         "PAYHOOK_READ_TIMEOUT": "3s",
+        "PAYHOOK_INGRESS_LIMIT_CONCURRENCY": "50",
+        "PAYHOOK_INGRESS_KEEP_ALIVE": "7s",
     }
     try:
         assert run(Settings.from_env(env), "127.0.0.1", 8000) == 0
@@ -113,6 +115,8 @@ def test_the_server_is_run_with_the_read_deadline(
     assert given["http"].func is ReadDeadlineProtocol
     assert given["http"].keywords == {"read_timeout": 3.0}
     assert given["ws"] == "none"
+    assert given["limit_concurrency"] == 50
+    assert given["timeout_keep_alive"] == 7
 
 
 def test_a_bad_setting_stops_the_server_before_it_starts(monkeypatch: pytest.MonkeyPatch) -> None:
