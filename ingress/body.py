@@ -15,6 +15,10 @@ from payhook.errors import PayhookError
 READ_DEADLINE = "payhook.read_deadline"
 
 
+#: Bytes under which received chunks are gathered into one before being kept.
+GATHER = 4096
+
+
 class BodyTooLarge(PayhookError):
     """The request body is larger than the ingress accepts."""
 
@@ -50,22 +54,36 @@ async def read_body(scope: Scope, receive: Receive, limit: int, timeout: float) 
 
 
 async def _read(receive: Receive, limit: int) -> bytes:
-    # One growing buffer, not a list of chunks: a body trickled a few bytes at
-    # a time would otherwise hold an object per chunk, many times its size.
-    buffer = bytearray()
+    # Chunks are kept as they come, never copied into a growing buffer (whose
+    # reallocations leave the heap in pieces); chunks under GATHER bytes are
+    # gathered first, so that a body trickled a few bytes at a time does not
+    # hold an object per chunk, many times its size.
+    chunks: list[bytes] = []
+    small = bytearray()
+    size = 0
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
             raise ClientDisconnect()
         chunk: bytes = message.get("body", b"")
-        if len(buffer) + len(chunk) > limit:
+        size += len(chunk)
+        if size > limit:
             raise BodyTooLarge()
         if not message.get("more_body", False):
-            if not buffer:
+            if size == len(chunk):
                 return chunk  # the usual case: the whole body in one message, not copied
-            buffer += chunk
-            return bytes(buffer)
-        buffer += chunk
+            chunks += (bytes(small), chunk)
+            return b"".join(chunks)
+        if len(chunk) < GATHER:
+            small += chunk
+            if len(small) < GATHER:
+                continue
+            chunk = bytes(small)
+            small.clear()
+        elif small:
+            chunks.append(bytes(small))
+            small.clear()
+        chunks.append(chunk)
 
 
 def header(scope: Scope, name: bytes) -> bytes:

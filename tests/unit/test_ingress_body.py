@@ -75,6 +75,19 @@ def test_a_body_trickled_in_tiny_chunks_holds_little_more_than_its_size() -> Non
     assert peak < 3 * size, f"{peak} bytes at most to read {size}"
 
 
+def test_chunks_small_and_large_are_joined_in_order() -> None:
+    sizes = [1, 5000, 3, 3, 4090, 2, 4096, 7, 1, 9000, 4095, 1, 1]
+    chunks = [bytes([i % 251]) * size for i, size in enumerate(sizes)]
+    messages = iter(enumerate(chunks, 1))
+
+    async def receive() -> Message:
+        number, chunk = next(messages)
+        return {"type": "http.request", "body": chunk, "more_body": number < len(chunks)}
+
+    body = asyncio.run(read_body(scope(), receive, limit=sum(sizes), timeout=PATIENT))
+    assert body == b"".join(chunks)
+
+
 def test_a_body_not_in_by_the_timeout_is_abandoned() -> None:
     receive = Sender(chunks=10, stall_after=2)
     started = time.monotonic()
