@@ -86,12 +86,12 @@ bare_app = Starlette(routes=[Route("/webhooks/{endpoint_id}", bare_route, method
 
 
 @contextmanager
-def scratch_endpoint(redis_url: str) -> Iterator[tuple[Settings, str, str]]:
-    """Settings on a fresh database holding one tenant and one standard endpoint."""
+def scratch_endpoint(redis_url: str, db: str = DB) -> Iterator[tuple[Settings, str, str]]:
+    """Settings on a fresh database `db` holding one tenant and one standard endpoint."""
     with psycopg.connect(f"{PG}/postgres", autocommit=True) as conn:
-        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(DB)))
+        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(db)))
     settings = Settings.from_env(
-        {"DATABASE_URL": f"{PG}/{DB}", "REDIS_URL": redis_url, "PAYHOOK_QUEUE": "payhook-bench"}
+        {"DATABASE_URL": f"{PG}/{db}", "REDIS_URL": redis_url, "PAYHOOK_QUEUE": "payhook-bench"}
     )
     try:
         apply_migrations(settings)
@@ -102,7 +102,7 @@ def scratch_endpoint(redis_url: str) -> Iterator[tuple[Settings, str, str]]:
     finally:
         with psycopg.connect(f"{PG}/postgres", autocommit=True) as conn:
             conn.execute(
-                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(DB))
+                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(db))
             )
 
 

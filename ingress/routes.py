@@ -18,7 +18,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ingress.body import BodyTooLarge, read_body
+from ingress.body import BodyTooLarge, ReadTimeout, read_body
 from ingress.enqueue import EnqueueFailed
 from ingress.ids import delivery_id
 from payhook.envelope import Envelope
@@ -40,6 +40,7 @@ REASONS = {
 }
 JSON = "application/json"
 JSON_TYPE = (b"content-type", b"application/json")
+CLOSE = ((b"connection", b"close"),)
 #: Fault point for tests: SIGKILL this process once a job is queued, before answering.
 FAULT_KILL_AFTER_ENQUEUE = "ingress_kill_after_enqueue"
 
@@ -121,11 +122,16 @@ async def _receive(
     line["tenant_id"] = endpoint.tenant_id
     line["gateway"] = endpoint.gateway
     try:
-        body = await read_body(scope, receive, ingress.settings.max_body)
+        body = await read_body(
+            scope, receive, ingress.settings.max_body, ingress.config.read_timeout
+        )
     except BodyTooLarge:
         line["reason"] = "body_too_large"
         # Close the connection: whatever the sender still streams is never read.
-        return _error(413, "payload_too_large", ((b"connection", b"close"),))
+        return _error(413, "payload_too_large", CLOSE)
+    except ReadTimeout:
+        line["reason"] = "read_timeout"
+        return _error(408, "request_timeout", CLOSE)
     except ClientDisconnect:
         line["reason"] = "client_disconnected"
         return _error(400, "bad_request")

@@ -459,6 +459,34 @@ async def test_body_over_the_limit_is_413_declared_or_streamed(
         assert [job.id for job in harness.jobs()] == [at_limit.json()["delivery_id"]]
 
 
+async def test_a_body_slower_than_the_read_timeout_is_408_and_queues_nothing(
+    database: str, redis_conn: Redis, factory: Factory
+) -> None:
+    """Under a server that gives no deadline of its own, the body gets the whole timeout."""
+    shop = factory.shop()
+    settings = test_settings(database, PAYHOOK_READ_TIMEOUT="1s")
+    event = StandardEvent()
+    body = event.body()
+
+    async def trickled() -> AsyncIterable[bytes]:
+        for byte in body:
+            yield bytes([byte])
+            await asyncio.sleep(0.1)
+
+    async with running(settings) as harness:
+        with capture_logs() as logs:
+            slow = await harness.post(shop.endpoint_id, trickled(), event.headers(shop.secret))
+        assert slow.status_code == 408
+        assert slow.json() == {"error": "request_timeout"}
+        assert slow.headers["connection"] == "close"
+        assert [line["reason"] for line in logs if line["event"] == "webhook_received"] == [
+            "read_timeout"
+        ]
+        assert harness.jobs() == []
+        on_time = await harness.post(shop.endpoint_id, body, event.headers(shop.secret, body))
+        assert on_time.status_code == 202
+
+
 # -- outages -------------------------------------------------------------------------
 
 

@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import gc
+from typing import Any
 
 import pytest
 import structlog
+import uvicorn
 
-from ingress.config import DEFAULT_RETRY_AFTER, IngressConfig
-from ingress.main import app_from_env
+from ingress.config import (
+    DEFAULT_KEEP_ALIVE,
+    DEFAULT_LIMIT_CONCURRENCY,
+    DEFAULT_READ_TIMEOUT,
+    DEFAULT_RETRY_AFTER,
+    IngressConfig,
+)
+from ingress.main import app_from_env, run
+from ingress.protocol import ReadDeadlineProtocol
 from ingress.routes import TOLERANCES
 from payhook.errors import SettingsError
 from payhook.gateways import GATEWAYS
@@ -32,6 +41,43 @@ def test_bad_retry_after_names_the_variable(raw: str) -> None:
         config(PAYHOOK_INGRESS_RETRY_AFTER=raw)
 
 
+def test_read_timeout_defaults_and_reads_durations() -> None:
+    assert config().read_timeout == DEFAULT_READ_TIMEOUT == 10
+    assert config(PAYHOOK_READ_TIMEOUT="1s").read_timeout == 1
+    assert config(PAYHOOK_READ_TIMEOUT="2500ms").read_timeout == 2.5
+    assert config(PAYHOOK_READ_TIMEOUT="5m").read_timeout == 300
+
+
+@pytest.mark.parametrize("raw", ["soon", "", "-1s", "0", "999ms", "301s", "1h"])
+def test_bad_or_unreasonable_read_timeout_names_the_variable(raw: str) -> None:
+    with pytest.raises(SettingsError, match="PAYHOOK_READ_TIMEOUT"):
+        config(PAYHOOK_READ_TIMEOUT=raw)
+
+
+def test_connection_limit_defaults_and_reads_numbers() -> None:
+    assert config().limit_concurrency == DEFAULT_LIMIT_CONCURRENCY == 1000
+    assert config(PAYHOOK_INGRESS_LIMIT_CONCURRENCY="50").limit_concurrency == 50
+
+
+@pytest.mark.parametrize("raw", ["many", "", "1.5", "0", "1", "-3"])
+def test_bad_connection_limit_names_the_variable(raw: str) -> None:
+    """One would refuse every request: uvicorn counts the asking connection."""
+    with pytest.raises(SettingsError, match="PAYHOOK_INGRESS_LIMIT_CONCURRENCY"):
+        config(PAYHOOK_INGRESS_LIMIT_CONCURRENCY=raw)
+
+
+def test_keep_alive_defaults_and_rounds_up_to_whole_seconds() -> None:
+    assert config().keep_alive == DEFAULT_KEEP_ALIVE == 5
+    assert config(PAYHOOK_INGRESS_KEEP_ALIVE="75s").keep_alive == 75
+    assert config(PAYHOOK_INGRESS_KEEP_ALIVE="1500ms").keep_alive == 2
+
+
+@pytest.mark.parametrize("raw", ["forever", "", "0", "500ms", "2h"])
+def test_bad_keep_alive_names_the_variable(raw: str) -> None:
+    with pytest.raises(SettingsError, match="PAYHOOK_INGRESS_KEEP_ALIVE"):
+        config(PAYHOOK_INGRESS_KEEP_ALIVE=raw)
+
+
 def test_every_gateway_has_a_timestamp_tolerance() -> None:
     assert set(TOLERANCES) == set(GATEWAYS)
     assert all(0 < seconds <= 600 for seconds in TOLERANCES.values())
@@ -50,3 +96,30 @@ def test_the_app_factory_freezes_start_up_objects_out_of_the_collector(
     finally:
         gc.unfreeze()
         structlog.reset_defaults()  # the factory configured logging
+
+
+def test_the_server_is_run_with_the_read_deadline_and_the_limits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    given: dict[str, Any] = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **options: given.update(options))
+    env = {
+        "PAYHOOK_READ_TIMEOUT": "3s",
+        "PAYHOOK_INGRESS_LIMIT_CONCURRENCY": "50",
+        "PAYHOOK_INGRESS_KEEP_ALIVE": "7s",
+    }
+    try:
+        assert run(Settings.from_env(env), "127.0.0.1", 8000) == 0
+    finally:
+        structlog.reset_defaults()  # run configured logging
+    assert given["http"].func is ReadDeadlineProtocol
+    assert given["http"].keywords == {"read_timeout": 3.0}
+    assert given["ws"] == "none"
+    assert given["limit_concurrency"] == 50
+    assert given["timeout_keep_alive"] == 7
+
+
+def test_a_bad_setting_stops_the_server_before_it_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(uvicorn, "run", lambda *args, **options: pytest.fail("uvicorn started"))
+    with pytest.raises(SettingsError, match="PAYHOOK_READ_TIMEOUT"):
+        run(Settings.from_env({"PAYHOOK_READ_TIMEOUT": "later"}), "127.0.0.1", 8000)
