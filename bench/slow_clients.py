@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.limit is not None:
             env["PAYHOOK_INGRESS_LIMIT_CONCURRENCY"] = str(args.limit)
         port = spare_port()
-        command = [sys.executable, "-m", "payhook.cli", "ingress", "--port", str(port)]
+        command = [sys.executable, "-m", "control.cli", "ingress", "--port", str(port)]
         # Output to a file: uvicorn logs each request refused over the limit,
         # and a pipe nobody reads would soon stop the server.
         with tempfile.TemporaryFile() as log:

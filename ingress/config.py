@@ -19,8 +19,10 @@ DEFAULT_READ_TIMEOUT = 10.0
 #: gateway has given up on its own request long before.
 READ_TIMEOUT_RANGE = (1.0, 300.0)
 #: Default of `PAYHOOK_INGRESS_LIMIT_CONCURRENCY`: connections (or requests in
-#: progress) at which uvicorn answers 503.
-DEFAULT_LIMIT_CONCURRENCY = 1000
+#: progress) at which uvicorn answers 503. Room for a thousand slow clients
+#: held until the read deadline beside the gateways' own; partially read
+#: bodies then hold at most this many times `PAYHOOK_MAX_BODY`.
+DEFAULT_LIMIT_CONCURRENCY = 2048
 #: uvicorn counts the connection asking in the limit: one would refuse everything.
 MIN_LIMIT_CONCURRENCY = 2
 #: Default of `PAYHOOK_INGRESS_KEEP_ALIVE`, in seconds.

@@ -55,7 +55,7 @@ def test_bad_or_unreasonable_read_timeout_names_the_variable(raw: str) -> None:
 
 
 def test_connection_limit_defaults_and_reads_numbers() -> None:
-    assert config().limit_concurrency == DEFAULT_LIMIT_CONCURRENCY == 1000
+    assert config().limit_concurrency == DEFAULT_LIMIT_CONCURRENCY == 2048
     assert config(PAYHOOK_INGRESS_LIMIT_CONCURRENCY="50").limit_concurrency == 50
 
 
