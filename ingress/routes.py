@@ -24,6 +24,7 @@ from ingress.ids import delivery_id
 from payhook.envelope import Envelope
 from payhook.errors import MalformedHeaders, SignatureError
 from payhook.gateways import get_gateway, standard, stripe
+from payhook.gateways.storable import storable_event_id
 
 if TYPE_CHECKING:
     from ingress.app import Ingress
@@ -202,15 +203,17 @@ def _signature_headers(scope: Scope, names: tuple[str, ...]) -> dict[str, str]:
 
 
 def read_event_id(gateway: str, headers: dict[str, str], body: bytes) -> str | None:
-    """The event id of an authentic request, for the log line; None if unreadable."""
+    """The event id of an authentic request, for the log line, as the consumer
+    stores it (bounded, no NUL or lone surrogate); None if unreadable."""
     if gateway == "standard":
-        return headers.get("webhook-id")
-    try:
-        data = json.loads(body)
-    except (ValueError, RecursionError):
-        return None
-    value = data.get("id") if isinstance(data, dict) else None
-    return value if isinstance(value, str) else None
+        value = headers.get("webhook-id")
+    else:
+        try:
+            data = json.loads(body)
+        except (ValueError, RecursionError):
+            return None
+        value = data.get("id") if isinstance(data, dict) else None
+    return storable_event_id(value) if isinstance(value, str) and value else None
 
 
 async def healthz(request: Request) -> Response:
