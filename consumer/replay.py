@@ -1,14 +1,13 @@
 """Re-apply the event of a payment exception once its cause is fixed.
 
-The replay runs the consumer's own steps in one transaction, in the
-consumer's lock order:
-
-    0 lock the exception (two replays of it run one after the other)
-    1 lock the event's receipt
-    3 lock the mapped order FOR UPDATE
-    4 decide again (payhook.decide_v1) against the order as it is now
-    5 one forward transition and its audit row, 6 the outbox row
-    7 mark the receipt with the new outcome, resolve the exception; commit
+Both ways an event is applied are SQL functions that share the rules,
+`payhook.decide_v1`, and the writes, `payhook.write_transition_v1`: a
+delivery runs `payhook.apply_event_v1` (`consumer.transaction`), a replay
+`payhook.replay_exception_v1` (`sql/migrations/0010_*.sql`), one statement
+that locks the exception, then the event's receipt, then its order FOR
+UPDATE (the consumer's lock order, receipt then order, behind a lock no
+delivery takes), decides again against the order as it is now, writes the
+transition, outbox row and receipt outcome, and resolves the exception.
 
 A resolved exception is never replayed again, so a second replay changes
 nothing. A dry run takes the same locks and decisions, writes nothing, and
@@ -24,27 +23,25 @@ committed.
 from __future__ import annotations
 
 from contextlib import suppress
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import psycopg
 import structlog
 from psycopg import pq
-from psycopg.types.json import Jsonb
 
-from consumer.rules import Decision, Order, decide
 from payhook.db import Row, error_summary, execute, fetch_all, fetch_one
 from payhook.errors import NotFound, PayhookError
-from payhook.gateways import Event
-from payhook.queries import query
 
 log = structlog.get_logger(__name__)
 
-#: Outcomes after which the event is accounted for and its exception closes.
-RESOLVING_OUTCOMES = frozenset({"applied", "already_applied", "superseded"})
 #: How long the replay of a waiting event may wait for a lock (another replay
 #: of it, a consumer on its order): it is best effort, inside a consumer's job.
 PARKED_LOCK_TIMEOUT = "2s"
+#: SQLSTATE `replay_exception_v1` raises when there is no such exception.
+NO_SUCH_EXCEPTION = "PH001"
+#: SQLSTATE it raises for an event it must not or cannot replay.
+NOT_REPLAYABLE_EVENT = "PH002"
 
 
 class NotReplayable(PayhookError):
@@ -87,86 +84,47 @@ def replay_exception(
 ) -> Replay:
     """Replay one exception's event; see the module docstring. Safe to call repeatedly.
 
-    With `follow`, an event it applies is followed by the replay of the events
-    of its order that waited for it (`replay_parked`).
+    `NotFound` if there is no such exception (of `tenant_id`, when given),
+    `NotReplayable` if its event must not or cannot be applied. With
+    `lock_timeout`, no lock is waited for longer. With `follow`, an event
+    it applies is followed by the replay of the events of its order that
+    waited for it (`replay_parked`).
     """
-    parked_order = None
-    with conn.transaction():
-        if lock_timeout is not None:
-            execute(conn, "local_lock_timeout", {"timeout": lock_timeout})
-        row = fetch_one(conn, "lock_exception", {"id": exception_id, "tenant_id": tenant_id})
-        if row is None:
-            raise NotFound(f"no payment exception {exception_id}")
-        tenant = str(row["tenant_id"])
-        base = {"exception_id": exception_id, "tenant_id": tenant, "event_id": row["event_id"]}
-        if row["resolved_at"] is not None:
-            return Replay(**base, outcome="resolved", resolved=True, changed=False, dry_run=dry_run)
-
-        if row["kind"] == "beyond_horizon":
-            raise NotReplayable(
-                f"exception {exception_id} is an event older than the retention horizon: "
-                "applying it could repeat an effect whose receipt is gone; resolve it by hand"
-            )
-        event = _stored_event(row)
-        if event.kind is None:
-            raise NotReplayable(
-                f"exception {exception_id} holds an event payhook cannot read "
-                f"({row['kind']}); it can only be resolved by hand"
-            )
-        key = {"tenant_id": tenant, "event_id": event.event_id}
-        receipt = fetch_one(conn, "lock_receipt", key)
-        if receipt is None:
-            raise NotReplayable(f"event {event.event_id} has no receipt any more")
-
-        orders = [
-            order_from_row(r)
-            for r in fetch_all(
-                conn,
-                "lock_order",
-                {
-                    "tenant_id": tenant,
-                    "merchant_reference": event.merchant_reference,
-                    "gateway_order_id": event.gateway_order_id,
-                },
-            )
-        ]
-        order = orders[0] if len(orders) == 1 else None
-        decision = (
-            Decision("already_applied", detail={"receipt": receipt["outcome"]})
-            if receipt["outcome"] in RESOLVING_OUTCOMES
-            else decide(conn, event, orders)
-        )
-        resolves = decision.outcome in RESOLVING_OUTCOMES
-        result = Replay(
-            **base,
-            outcome=decision.outcome,
-            resolved=resolves,
-            changed=resolves,
-            dry_run=dry_run,
-            order_id=order.id if order else None,
-            from_state=order.state if order and decision.to_state else None,
-            to_state=decision.to_state,
-            action=decision.action,
-            detail=decision.detail or None,
-        )
-        if dry_run or not resolves:
-            return result
-
-        if decision.outcome == "applied":
-            assert order is not None
-            # Marks the receipt too: it cannot have resolved already, or the
-            # decision would be `already_applied`.
-            if write_transition(conn, tenant, event, order, decision):
-                parked_order = order.id
-        elif receipt["outcome"] not in RESOLVING_OUTCOMES:
-            mark_receipt(conn, key, decision.outcome, order.id if order else None)
-        execute(
-            conn,
-            "resolve_exception",
-            {"tenant_id": tenant, "id": exception_id, "resolution": f"replay:{decision.outcome}"},
-        )
-    if follow and parked_order is not None:
-        replay_parked(conn, tenant, parked_order)
+    params = {"id": exception_id, "tenant_id": tenant_id, "dry_run": dry_run}
+    try:
+        if lock_timeout is None and conn.autocommit:
+            # Its own transaction: no lock is held across a round trip.
+            row = fetch_one(conn, "replay_exception", params)
+        else:
+            with conn.transaction():
+                if lock_timeout is not None:
+                    execute(conn, "local_lock_timeout", {"timeout": lock_timeout})
+                row = fetch_one(conn, "replay_exception", params)
+    except psycopg.Error as exc:
+        # The function's refusals name ids and kinds only, never the event's content.
+        if exc.sqlstate == NO_SUCH_EXCEPTION:
+            raise NotFound(exc.diag.message_primary) from exc
+        if exc.sqlstate == NOT_REPLAYABLE_EVENT:
+            raise NotReplayable(exc.diag.message_primary) from exc
+        raise
+    assert row is not None, "replay_exception_v1 returns one row"
+    order_id = None if row["order_id"] is None else str(row["order_id"])
+    result = Replay(
+        exception_id=exception_id,
+        tenant_id=str(row["tenant_id"]),
+        event_id=row["event_id"],
+        outcome=row["outcome"],
+        resolved=row["resolved"],
+        changed=row["changed"],
+        dry_run=dry_run,
+        order_id=order_id,
+        from_state=row["from_state"],
+        to_state=row["to_state"],
+        action=row["action"],
+        detail=row["detail"],
+    )
+    if follow and row["parked"] and order_id is not None:
+        replay_parked(conn, result.tenant_id, order_id)
     return result
 
 
@@ -233,49 +191,6 @@ def _drop_if_busy(conn: psycopg.Connection[Row]) -> bool:
     return True
 
 
-def write_transition(
-    conn: psycopg.Connection[Row], tenant_id: str, event: Event, order: Order, decision: Decision
-) -> bool:
-    """Steps 5 to 7 for an event decided `applied` against `order`, which this
-    transaction holds FOR UPDATE (`payhook.write_transition_v1`, as the
-    consumer's own transaction runs them). If the order did not move, the
-    statement fails and with it the transaction. Whether events of the order
-    wait as exceptions (arrived too early).
-    """
-    assert decision.action is not None, "every forward transition has a side effect"
-    assert decision.refunded_minor is not None, "every forward transition states the refunds"
-    row = conn.execute(
-        query("apply_transition"),
-        {
-            "tenant_id": tenant_id,
-            "event": Jsonb(event.to_json()),
-            "order": Jsonb(asdict(order)),
-            "to_state": decision.to_state,
-            "refunded_minor": decision.refunded_minor,
-            "action": decision.action,
-        },
-    ).fetchone()
-    return bool(row and row["parked"])
-
-
-def mark_receipt(
-    conn: psycopg.Connection[Row], key: dict[str, Any], outcome: str, order_id: str | None
-) -> None:
-    conn.execute(query("mark_receipt_processed"), key | {"outcome": outcome, "order_id": order_id})
-
-
-def order_from_row(row: Row) -> Order:
-    return Order(
-        id=str(row["id"]),
-        merchant_reference=row["merchant_reference"],
-        gateway_order_id=row["gateway_order_id"],
-        amount_minor=row["amount_minor"],
-        currency=row["currency"],
-        state=row["state"],
-        refunded_minor=row["refunded_minor"],
-    )
-
-
 def resolve_by_hand(
     conn: psycopg.Connection[Row], exception_id: int, *, tenant_id: str | None = None
 ) -> bool:
@@ -292,14 +207,3 @@ def resolve_by_hand(
             {"tenant_id": row["tenant_id"], "id": exception_id, "resolution": "by_hand"},
         )
     return True
-
-
-def _stored_event(row: Row) -> Event:
-    """The event an exception recorded; the endpoint it came through is not
-    needed: it was authenticated then, and the transition needs its tenant only."""
-    data = dict(row["event"])
-    data.pop("endpoint_id", None)
-    try:
-        return Event.from_json(data)
-    except (TypeError, ValueError) as exc:
-        raise NotReplayable(f"exception {row['id']} holds an unreadable event: {exc}") from None

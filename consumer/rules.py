@@ -1,9 +1,10 @@
 """What one authentic event does to one locked order: a pure decision.
 
 The rules live in one place, the SQL function `payhook.decide_v1`
-(`sql/migrations/0009_*.sql`): the consumer's transaction runs them on the
-server, inside `payhook.apply_event_v1`, and a replay asks them here, in its
-own transaction, once it has locked the order.
+(`sql/migrations/0009_*.sql`), and both ways an event is applied run them on
+the server once they have locked the order: `payhook.apply_event_v1` for a
+delivery, `payhook.replay_exception_v1` for a replay. `decide` asks them
+from Python, for tests of each rule on its own.
 """
 
 from __future__ import annotations

@@ -21,6 +21,11 @@ live row and insert the archived one at once. The function reads the archive
 in a statement after the insert, not inside it: an insert that waited for a
 retention batch to commit runs on a snapshot from before that commit, the
 next statement sees the archived identity.
+
+The replay of an exception (`consumer.replay`) is the function beside it,
+`payhook.replay_exception_v1` (`sql/migrations/0010_*.sql`): both decide with
+`payhook.decide_v1` and write with `payhook.write_transition_v1`, and a
+replay locks the exception first, then the receipt, then the order.
 """
 
 from __future__ import annotations

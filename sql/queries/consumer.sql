@@ -12,6 +12,14 @@ SELECT outcome, order_id, exception_id, parked
   FROM payhook.apply_event_v1(%(tenant_id)s, %(endpoint_id)s, %(gateway)s, %(delivery_id)s,
                               %(event)s, %(forced_outcome)s, %(forced_detail)s)
 
+-- replay_exception --
+-- The replay of an exception's event in one statement: the locks (exception,
+-- receipt, order), the decision and the writes run on the server
+-- (sql/migrations/0010). `tenant_id` NULL finds any tenant's exception.
+SELECT tenant_id, event_id, outcome, resolved, changed, order_id, from_state, to_state,
+       action, detail, parked
+  FROM payhook.replay_exception_v1(%(id)s::bigint, %(tenant_id)s::uuid, %(dry_run)s::boolean)
+
 -- decide --
 -- The rules: what an event (Event.to_json()) does to the orders it mapped
 -- to, a JSON array of objects as `lock_order` returns them.
@@ -29,16 +37,9 @@ SELECT id, merchant_reference, gateway_order_id, amount_minor, currency, state,
  ORDER BY id
    FOR UPDATE
 
--- apply_transition --
--- Steps 5 to 7 for an event decided `applied` against an order this
--- transaction holds FOR UPDATE (sql/migrations/0009). Returns whether events
--- of the order wait as `invalid_transition` exceptions (arrived too early).
-SELECT payhook.write_transition_v1(%(tenant_id)s, %(event)s, %(order)s, %(to_state)s,
-                                   %(refunded_minor)s, %(action)s) AS parked
-
 -- insert_outbox --
 -- One outbox row on its own, for seeding the outbox worker's tests and
--- benchmark; the consumer writes its rows in apply_transition.
+-- benchmark; the consumer writes its rows in write_transition_v1.
 INSERT INTO payhook.payment_outbox (id, tenant_id, order_id, event_id, action, payload)
 VALUES (%(id)s, %(tenant_id)s, %(order_id)s, %(event_id)s, %(action)s, %(payload)s)
 ON CONFLICT (tenant_id, event_id, action) DO NOTHING

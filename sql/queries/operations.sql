@@ -60,20 +60,12 @@ SELECT id, tenant_id, event_id, order_id, kind, detail, created_at, resolved_at
  LIMIT %(limit)s
 
 -- lock_exception --
--- Replay step 0: the exception and its stored event, locked, so two replays
--- of it run one after the other.
+-- The exception and its stored event, locked, so closing it by hand and a
+-- replay of it (which locks it first) run one after the other.
 SELECT tenant_id, id, event_id, order_id, kind, event, resolved_at
   FROM payhook.payment_exceptions
  WHERE id = %(id)s
    AND (%(tenant_id)s::uuid IS NULL OR tenant_id = %(tenant_id)s::uuid)
-   FOR UPDATE
-
--- lock_receipt --
--- Replay step 1: the event's receipt, locked before the order, the lock order
--- of the consumer's transaction.
-SELECT outcome, order_id
-  FROM payhook.payment_event_receipts
- WHERE tenant_id = %(tenant_id)s AND event_id = %(event_id)s
    FOR UPDATE
 
 -- local_lock_timeout --

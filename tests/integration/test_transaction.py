@@ -13,9 +13,9 @@ from datetime import UTC, datetime, timedelta
 import psycopg
 import pytest
 from psycopg import pq
+from psycopg.types.json import Jsonb
 
 from consumer.handler import CLOCK_SKEW, Runtime, handle
-from consumer.replay import write_transition
 from consumer.rules import EXCEPTION_OUTCOMES, Decision, Order
 from consumer.transaction import Endpoint, apply_event
 from payhook import counters
@@ -131,7 +131,18 @@ def test_a_transition_whose_order_did_not_move_fails_the_transaction(
             receipt,
         )
         decision = Decision("applied", to_state="paid", refunded_minor=0, action="fulfil_order")
-        write_transition(conn, shop.tenant_id, parsed, stale, decision)
+        # Steps 5 to 7 as both entry points run them, on the server.
+        conn.execute(
+            "SELECT payhook.write_transition_v1(%s, %s, %s, %s, %s, %s)",
+            (
+                shop.tenant_id,
+                Jsonb(parsed.to_json()),
+                Jsonb(dataclasses.asdict(stale)),
+                decision.to_state,
+                decision.refunded_minor,
+                decision.action,
+            ),
+        )
     assert factory.order_state(shop, order_id) == "pending"
     assert factory.count("payment_event_receipts") == 0
     assert factory.count("payment_outbox", order_id=order_id) == 0
