@@ -314,7 +314,7 @@ def test_one_unreadable_job_hides_no_other_in_the_dead_letter_list(
     assert not listed["bad-date"].get("exc_info"), "no requeue button: requeue refuses it"
     assert listed[damaged_result.id]["exc_info"] == "unreadable result: zlib.error"
     assert listed[good.id]["description"] == f"apply_event delivery={good.id}"
-    assert "runtime is not installed" in listed[good.id]["exc_info"]
+    assert "runs only in a payhook consumer" in listed[good.id]["exc_info"]
     assert listed[good.id]["created_at"].endswith("+00:00")
 
 
