@@ -40,9 +40,9 @@ Command = Callable[[argparse.Namespace, Settings], int]
 
 
 def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
-    from control.migrations import apply_migrations
+    from control.migrations import migrate
 
-    applied = apply_migrations(settings)
+    applied = migrate(settings)
     print(f"applied {len(applied)} migration(s)" + (": " + ", ".join(applied) if applied else ""))
     return 0
 

@@ -1,4 +1,4 @@
-"""payhook.outcomes: one home for the outcome and kind names."""
+"""payhook.outcomes: one home for the outcome and kind names, and how a CHECK is read."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from payhook.outcomes import (
     RECEIPT_OUTCOMES,
     REFUSED_OUTCOMES,
     RESOLVING_OUTCOMES,
+    listed_names,
 )
 
 
@@ -58,3 +59,24 @@ def test_the_cli_filters_by_every_kind_and_no_other(
     with pytest.raises(SystemExit):
         parser.parse_args([command, "list", "--kind", "refund_pending"])
     assert "[--kind {" + ",".join(sorted(kinds)) + "}]" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("definition", "names"),
+    [
+        (
+            "CHECK ((outcome = ANY (ARRAY['processing'::text, 'applied'::text])))",
+            {"processing", "applied"},
+        ),
+        ("CHECK ((kind = ANY (ARRAY['a'::text, 'b''c'::text]))) NOT VALID", {"a", "b'c"}),
+        ("CHECK ((kind = 'only'::text))", {"only"}),
+        ("CHECK ((kind <> ''::text))", None),
+        ("CHECK ((kind = ANY (ARRAY['a'::text]) OR (kind IS NULL)))", None),
+        ("CHECK ((kind = ANY (ARRAY['a'::character varying])))", None),
+        ("CHECK ((kind = ANY (ARRAY['a'::text]))) AND ((kind = 'b'::text))", None),
+    ],
+)
+def test_a_check_is_read_as_its_list_of_names_or_not_at_all(
+    definition: str, names: set[str] | None
+) -> None:
+    assert listed_names(definition) == names
