@@ -48,10 +48,11 @@ from bench.services import (
     private_redis,
     server_cpu_seconds,
 )
-from consumer.transaction import Endpoint, apply_event
+from consumer.transaction import apply_event
 from control import admin
 from control.migrations import apply_migrations
 from payhook.db import connect
+from payhook.endpoints import Endpoint
 from payhook.envelope import Envelope
 from payhook.gateways import get_gateway
 from payhook.queue import enqueue_event, events_queue

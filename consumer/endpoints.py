@@ -7,8 +7,8 @@ from datetime import datetime
 
 import psycopg
 
-from consumer.transaction import Endpoint
 from payhook.db import Row, fetch_one
+from payhook.endpoints import Endpoint
 
 #: Seconds an endpoint's secrets are trusted before they are read again.
 ENDPOINT_TTL = 5.0

@@ -13,9 +13,10 @@ from redis import Redis
 
 from consumer.endpoints import EndpointCache
 from consumer.replay import replay_parked
-from consumer.transaction import Applied, Endpoint, TooManyRetries, apply_with_retries
+from consumer.transaction import Applied, TooManyRetries, apply_with_retries
 from payhook import counters
 from payhook.db import Pool, Row, execute, pooled_connection
+from payhook.endpoints import Endpoint
 from payhook.envelope import Envelope, MalformedJob, NewerEnvelope
 from payhook.errors import MalformedEvent, SignatureError, SignatureMismatch
 from payhook.gateways import Event, Gateway, get_gateway

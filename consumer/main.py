@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import time
+
+import psycopg
 import structlog
 from rq.serializers import JSONSerializer
 
 from consumer.applier import Applier
 from consumer.handler import Runtime
 from consumer.worker import PayhookWorker, job_class_for
-from payhook.db import create_pool
+from payhook.db import Pool, create_pool, error_summary, pooled_connection
 from payhook.logs import configure_logging
+from payhook.outcomes import check_outcomes
 from payhook.queue import redis_connection
 from payhook.settings import Settings
 
@@ -17,6 +21,9 @@ log = structlog.get_logger(__name__)
 
 #: Share of the job timeout one statement may take.
 STATEMENT_SHARE = 0.8
+#: Seconds between tries of the start-up check while PostgreSQL cannot answer
+#: (each try also waits up to the pool's timeout for a connection).
+CHECK_RETRY_DELAY = 1.0
 
 
 def build_worker(settings: Settings, runtime: Runtime | None = None) -> PayhookWorker:
@@ -50,6 +57,7 @@ def run(settings: Settings, burst: bool = False) -> int:
     )
     pool.open(wait=False)
     try:
+        check_schema(pool)
         worker = build_worker(settings)
         applier = worker.applier = Applier(
             Runtime(settings=settings, pool=pool, redis=worker.connection)
@@ -68,3 +76,18 @@ def run(settings: Settings, burst: bool = False) -> int:
         log.error("consumer_stopped_unexpectedly", worker=worker.name)
         return 1
     return 0
+
+
+def check_schema(pool: Pool) -> None:
+    """Refuse to start on a database whose lists of outcomes are not this
+    release's (`OutcomesMismatch`). While PostgreSQL cannot answer, wait for
+    it: no job could be applied meanwhile, and one taken would spend its retries.
+    """
+    while True:
+        try:
+            with pooled_connection(pool) as conn:
+                check_outcomes(conn)
+            return
+        except psycopg.OperationalError as exc:
+            log.warning("outcomes_check_waiting", error=error_summary(exc))
+            time.sleep(CHECK_RETRY_DELAY)

@@ -17,20 +17,19 @@ from psycopg.types.json import Jsonb
 
 from payhook.db import Row, fetch_one
 from payhook.gateways import Event
+from payhook.outcomes import EXCEPTION_KINDS, REFUSED_OUTCOMES, RESOLVING_OUTCOMES
+
+__all__ = [
+    "EXCEPTION_OUTCOMES",
+    "REFUSED_OUTCOMES",
+    "RESOLVING_OUTCOMES",
+    "Decision",
+    "Order",
+    "decide",
+]
 
 #: Outcomes that write a `payment_exceptions` row: authentic but not applicable.
-EXCEPTION_OUTCOMES = frozenset(
-    {
-        "amount_mismatch",
-        "currency_mismatch",
-        "identity_mismatch",
-        "unmapped_order",
-        "invalid_transition",
-        "second_payment",
-        "malformed",
-        "beyond_horizon",
-    }
-)
+EXCEPTION_OUTCOMES = frozenset(EXCEPTION_KINDS)
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ import dataclasses
 import random
 import time
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any
 
 import psycopg
@@ -42,6 +42,7 @@ import structlog
 from psycopg.types.json import Jsonb
 
 from payhook.db import Row, cancelled_if_interrupted
+from payhook.endpoints import Endpoint
 from payhook.gateways import Event
 from payhook.horizon import DEFAULT_RECEIPT_RETENTION, beyond_horizon, receipt_horizon
 from payhook.queries import query
@@ -52,24 +53,6 @@ log = structlog.get_logger(__name__)
 RETRYABLE = (psycopg.errors.SerializationFailure, psycopg.errors.DeadlockDetected)
 #: Seconds of the first backoff after a retryable failure; doubles each time.
 RETRY_BASE_DELAY = 0.02
-
-
-@dataclass(frozen=True)
-class Endpoint:
-    id: str
-    tenant_id: str
-    gateway: str
-    secrets: tuple[str, ...]
-    #: Retired secrets and when each was retired.
-    retired: tuple[tuple[str, datetime], ...] = ()
-
-    def secrets_at(self, received_at: datetime, grace: timedelta) -> tuple[str, ...]:
-        """The secrets that may have verified at the ingress when a job was
-        received: the active ones, and those retired since or less than
-        `grace` before (the ingress's endpoint cache lags the database, and
-        `received_at` is the ingress's clock, `retired_at` the database's)."""
-        since = received_at - grace
-        return self.secrets + tuple(s for s, retired_at in self.retired if retired_at > since)
 
 
 @dataclass(frozen=True)

@@ -18,20 +18,8 @@ from redis.exceptions import RedisError
 
 from payhook.errors import PayhookError
 from payhook.logs import configure_logging
+from payhook.outcomes import ANOMALY_KINDS, EXCEPTION_KINDS
 from payhook.settings import Settings
-
-#: The kinds of `payment_exceptions`: `consumer.rules.EXCEPTION_OUTCOMES`
-#: (a test keeps the two equal; the kernel never imports a component).
-EXCEPTION_KINDS = (
-    "amount_mismatch",
-    "beyond_horizon",
-    "currency_mismatch",
-    "identity_mismatch",
-    "invalid_transition",
-    "malformed",
-    "second_payment",
-    "unmapped_order",
-)
 
 
 def port(value: str) -> int:
@@ -52,9 +40,9 @@ Command = Callable[[argparse.Namespace, Settings], int]
 
 
 def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
-    from control.migrations import apply_migrations
+    from control.migrations import migrate
 
-    applied = apply_migrations(settings)
+    applied = migrate(settings)
     print(f"applied {len(applied)} migration(s)" + (": " + ", ".join(applied) if applied else ""))
     return 0
 
@@ -325,7 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
     ).add_subparsers(dest="action", required=True, metavar="ACTION")
     p = add("list", cmd_operations, "open exceptions, newest first, as JSON lines", exceptions)
     p.add_argument("--all", action="store_true", help="resolved ones too")
-    p.add_argument("--kind", choices=EXCEPTION_KINDS)
+    p.add_argument("--kind", choices=sorted(EXCEPTION_KINDS))
     p.add_argument("--tenant")
     p.add_argument("--limit", type=int, default=50)
     p = add("replay", cmd_operations, "re-apply an exception's event once fixed", exceptions)
@@ -340,10 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
         dest="action", required=True, metavar="ACTION"
     )
     p = add("list", cmd_operations, "anomalies, newest first, as JSON lines", anomalies)
-    p.add_argument(
-        "--kind",
-        choices=["digest_conflict", "signature_invalid", "unknown_endpoint", "malformed_job"],
-    )
+    p.add_argument("--kind", choices=sorted(ANOMALY_KINDS))
     p.add_argument("--since", help="only the last DURATION, e.g. 24h")
     p.add_argument("--limit", type=int, default=50)
 

@@ -56,6 +56,7 @@ from types import FrameType
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+import psycopg
 import structlog
 from flask import Flask, Response, current_app, jsonify, render_template, request, url_for
 from jinja2 import ChoiceLoader, DictLoader, PrefixLoader
@@ -87,9 +88,10 @@ from control.operations import (
     requeue_dead_letter,
 )
 from payhook import quarantine
-from payhook.db import connect
+from payhook.db import connect, error_summary
 from payhook.errors import NotFound, SettingsError
 from payhook.logs import configure_logging
+from payhook.outcomes import check_outcomes
 from payhook.queue import redis_connection
 from payhook.settings import Secret, Settings, positive_int
 
@@ -547,6 +549,7 @@ def run(settings: Settings, host: str | None = None, port: int | None = None) ->
     """Serve the dashboard until SIGTERM or SIGINT."""
     configure_logging(settings.log_level)
     config = DashboardConfig.from_settings(settings).bound(host, port)
+    check_schema(settings)
     password = str(config.password) if config.password else secrets.token_urlsafe(18)
     if config.password is None:
         # Loopback only (checked above); shown once, on the terminal, never logged.
@@ -585,6 +588,18 @@ def run(settings: Settings, host: str | None = None, port: int | None = None) ->
         server.server_close()
     log.info("dashboard_stopped")
     return 0
+
+
+def check_schema(settings: Settings) -> None:
+    """Refuse to start on a database whose lists of outcomes are not this
+    release's (`OutcomesMismatch`). PostgreSQL not answering is no reason
+    not to start: the dashboard's queues live in Redis, and an outage is when
+    an operator needs them."""
+    try:
+        with connect(settings, "dashboard") as conn:
+            check_outcomes(conn)
+    except psycopg.OperationalError as exc:
+        log.warning("outcomes_unchecked", error=error_summary(exc))
 
 
 def display_url(url: str) -> str:

@@ -51,6 +51,7 @@ from control.unique_rules import RuleError, rules_in
 from control.uniqueness import SESSION_OPTIONS, require_no_conflicts
 from payhook.db import Row, connect, fetch_one
 from payhook.errors import MigrationError
+from payhook.outcomes import check_outcomes
 from payhook.queries import query, sql_root
 from payhook.settings import Settings
 
@@ -204,6 +205,17 @@ def apply_migrations(
                 log.info("migration_applied", migration=migration.path.name)
         finally:
             conn.execute(query("unlock_migrations"), {"key": MIGRATION_LOCK_KEY})
+    return applied
+
+
+def migrate(settings: Settings) -> list[str]:
+    """`payhook migrate`: apply every pending migration, then check that the
+    schema lists the outcomes this release records (`OutcomesMismatch`), so
+    that a deploy whose code and migrations disagree stops before its
+    consumers start."""
+    applied = apply_migrations(settings)
+    with connect(settings, "migrate") as conn:
+        check_outcomes(conn)
     return applied
 
 

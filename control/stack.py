@@ -50,7 +50,7 @@ from redis.exceptions import RedisError
 
 from control.admin import add_endpoint, add_order, add_tenant
 from control.dashboard import DashboardConfig
-from control.migrations import apply_migrations
+from control.migrations import migrate
 from payhook.db import Row, connect, fetch_one
 from payhook.errors import PayhookError, SettingsError
 from payhook.logs import configure_logging
@@ -293,7 +293,7 @@ def run(
         password = given or secrets.token_urlsafe(12)
         env["PAYHOOK_DASHBOARD_PASSWORD"] = password
         child_settings = Settings.from_env(env)
-        applied = apply_migrations(child_settings)
+        applied = migrate(child_settings)
         out.say(f"migrations: {len(applied)} applied {' '.join(applied)}".rstrip())
         demo = ensure_demo(child_settings, options.fulfilment_url)
         stopping.check()

@@ -15,13 +15,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass, field
 
 import psycopg
 import structlog
 from psycopg.rows import dict_row
 
 from payhook.db import connection_kwargs
+from payhook.endpoints import Endpoint
 from payhook.queries import query
 
 log = structlog.get_logger(__name__)
@@ -31,15 +31,6 @@ REFRESH_TIMEOUT = 10.0
 #: Seconds after which the whole table is read again even if its counter has
 #: not moved (a change made with triggers off: a restore, a replica's apply).
 FULL_RELOAD = 60.0
-
-
-@dataclass(frozen=True)
-class Endpoint:
-    id: str
-    tenant_id: str
-    gateway: str
-    #: Active secrets, newest first; kept out of every repr.
-    secrets: tuple[str, ...] = field(repr=False)
 
 
 #: Reads the endpoints; None when they have not changed since its last read.

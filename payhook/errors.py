@@ -70,3 +70,7 @@ class RefusedJob(PayhookError):
 
 class UnreadableJob(PayhookError):
     """The job's hash in Redis is not one payhook wrote: it cannot be read as a job."""
+
+
+class OutcomesMismatch(PayhookError):
+    """The database's lists of outcomes and kinds differ from payhook's."""

@@ -21,7 +21,7 @@ from redis import Redis
 from rq.registry import FailedJobRegistry, ScheduledJobRegistry
 from rq.utils import utcformat
 
-from consumer.transaction import Applied, Endpoint, apply_event
+from consumer.transaction import Applied, apply_event
 from control.alerts import (
     SIGNALS,
     AlertCollector,
@@ -33,6 +33,7 @@ from control.alerts import (
 )
 from payhook import counters, quarantine
 from payhook.db import Row, connect
+from payhook.endpoints import Endpoint
 from payhook.gateways import get_gateway
 from payhook.queue import events_queue
 from payhook.settings import MAX_DURATION, Settings

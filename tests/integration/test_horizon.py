@@ -17,8 +17,9 @@ import pytest
 
 from consumer.handler import Runtime, handle
 from consumer.replay import NotReplayable, replay_exception
-from consumer.transaction import Endpoint, apply_event
+from consumer.transaction import apply_event
 from payhook.db import Row
+from payhook.endpoints import Endpoint
 from payhook.gateways import Event
 from payhook.horizon import DAY
 from tests.factories import Factory, Shop, StandardEvent, envelope, stripe_body, stripe_headers

@@ -29,8 +29,9 @@ from consumer.handler import Runtime
 from consumer.main import build_worker
 from control import admin
 from ingress.app import Ingress, create_app
-from ingress.endpoints import Endpoint, PostgresEndpoints
+from ingress.endpoints import PostgresEndpoints
 from payhook.db import create_pool
+from payhook.endpoints import Endpoint
 from payhook.envelope import Envelope
 from payhook.errors import PayhookError
 from payhook.queue import APPLY_EVENT, enqueue_event, events_queue

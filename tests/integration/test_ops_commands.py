@@ -27,12 +27,13 @@ from rq.serializers import JSONSerializer
 
 from consumer.handler import Runtime
 from consumer.main import build_worker
-from consumer.transaction import Endpoint, apply_event
+from consumer.transaction import apply_event
 from consumer.worker import PayhookJob, PayhookWorker
 from control import operations
 from control.cli import build_parser
 from control.operations import NotRequeueable, requeue_dead_letter
 from payhook.db import Row, create_pool
+from payhook.endpoints import Endpoint
 from payhook.gateways import get_gateway
 from payhook.jobhash import data_bound
 from payhook.queue import APPLY_EVENT, enqueue_event, events_queue

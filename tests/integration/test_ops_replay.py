@@ -19,8 +19,9 @@ from consumer.replay import (
     replay_parked,
     resolve_by_hand,
 )
-from consumer.transaction import Applied, Endpoint, apply_event
+from consumer.transaction import Applied, apply_event
 from payhook.db import Row, connect
+from payhook.endpoints import Endpoint
 from payhook.gateways import Event, get_gateway
 from payhook.settings import Settings
 from tests.factories import Factory, Shop, StandardEvent

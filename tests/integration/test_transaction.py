@@ -17,9 +17,10 @@ from psycopg.types.json import Jsonb
 
 from consumer.handler import CLOCK_SKEW, Runtime, handle
 from consumer.rules import EXCEPTION_OUTCOMES, Decision, Order
-from consumer.transaction import Endpoint, apply_event
+from consumer.transaction import apply_event
 from payhook import counters
 from payhook.db import Row, create_pool
+from payhook.endpoints import Endpoint
 from payhook.envelope import ENVELOPE_VERSION, NewerEnvelope
 from payhook.gateways import get_gateway
 from payhook.settings import Settings

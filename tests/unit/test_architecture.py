@@ -60,10 +60,3 @@ def test_the_tooling_starts_a_process_only_from_the_command_that_runs_it() -> No
         for path in (ROOT / "control").rglob("*.py")
     }
     assert {path: found for path, found in offenders.items() if found} == {}
-
-
-def test_the_cli_offers_every_exception_kind_the_consumer_records() -> None:
-    from consumer.rules import EXCEPTION_OUTCOMES
-    from control.cli import EXCEPTION_KINDS
-
-    assert set(EXCEPTION_KINDS) == EXCEPTION_OUTCOMES

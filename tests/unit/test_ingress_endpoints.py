@@ -6,7 +6,8 @@ import asyncio
 
 import psycopg
 
-from ingress.endpoints import Endpoint, EndpointCache, Refresher
+from ingress.endpoints import EndpointCache, Refresher
+from payhook.endpoints import Endpoint
 
 ONE = Endpoint("e1", "t1", "standard", ("whsec_c2VjcmV0",))
 TWO = Endpoint("e2", "t2", "stripe", ("whsec_stripe",))

@@ -1,0 +1,34 @@
+"""A webhook endpoint as the ingress and the consumer hold it in memory."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+from payhook.settings import Secret
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One row of `webhook_endpoints`. Its secrets never show in a repr, nor
+    does a repr of them: each is held as a `Secret`."""
+
+    id: str
+    tenant_id: str
+    gateway: str
+    #: Active secrets, newest first.
+    secrets: tuple[str, ...] = field(repr=False)
+    #: Retired secrets and when each was retired.
+    retired: tuple[tuple[str, datetime], ...] = field(default=(), repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "secrets", tuple(Secret(s) for s in self.secrets))
+        object.__setattr__(self, "retired", tuple((Secret(s), at) for s, at in self.retired))
+
+    def secrets_at(self, received_at: datetime, grace: timedelta) -> tuple[str, ...]:
+        """The secrets that may have verified at the ingress when a job was
+        received: the active ones, and those retired since or less than
+        `grace` before (the ingress's endpoint cache lags the database, and
+        `received_at` is the ingress's clock, `retired_at` the database's)."""
+        since = received_at - grace
+        return self.secrets + tuple(s for s, retired_at in self.retired if retired_at > since)
