@@ -88,6 +88,12 @@ from control.operations import (
     requeue_dead_letter,
 )
 from payhook import quarantine
+from payhook.compat import (
+    give_rq_dashboard_connection,
+    replace_rq_dashboard_before_request,
+    replace_rq_dashboard_views,
+    use_rq_dashboard_serializer,
+)
 from payhook.db import connect, error_summary
 from payhook.errors import NotFound, SettingsError
 from payhook.logs import configure_logging
@@ -221,7 +227,7 @@ def create_app(settings: Settings, user: str, password: str) -> Flask:
     import rq_dashboard.web as web
 
     # Every job this app reads is read as JSON, never unpickled.
-    web.config.serializer = JSONSerializer
+    use_rq_dashboard_serializer(JSONSerializer)
     # The pages ask for `/static/...` from both the app and the blueprint: serve
     # rq-dashboard's files from both, as its own command does.
     app = Flask(__name__, static_folder=web.blueprint.static_folder)
@@ -242,12 +248,10 @@ def create_app(settings: Settings, user: str, password: str) -> Flask:
         RQ_DASHBOARD_SHOW_FULL_ARGS=False,
     )
     app.register_blueprint(web.blueprint)
-    web.setup_rq_connection(app)
     redis = redis_connection(settings, timeout=10)
-    # rq-dashboard's views read `app.redis_conn`, which it would connect anew
-    # on each request from the URL above: they get payhook's connection, and
-    # the URL no credentials.
-    app.redis_conn = redis  # type: ignore[attr-defined]
+    # rq-dashboard's views would connect anew on each request from the URL
+    # above: they get payhook's connection, and the URL no credentials.
+    give_rq_dashboard_connection(app, redis)
     alert_config = AlertConfig.from_settings(settings)
     # One read of the signals at a time: a scrape that waits for the one in
     # progress past the read timeout reports them unreadable, so scrapes
@@ -480,15 +484,17 @@ def create_app(settings: Settings, user: str, password: str) -> Flask:
     # rq-dashboard's own views for these read jobs with pickle, requeue
     # without the serializer, or fail on the first job they cannot read; the
     # URLs stay, the functions are ours.
-    app.before_request_funcs["rq_dashboard"] = [use_one_instance]
-    app.view_functions["rq_dashboard.requeue_job_view"] = requeue_job_view
-    app.view_functions["rq_dashboard.list_jobs"] = list_jobs
-    app.view_functions["rq_dashboard.requeue_all"] = requeue_all
-    app.view_functions["rq_dashboard.job_view"] = job_view
-    app.view_functions["rq_dashboard.job_info"] = job_info
-    app.view_functions["rq_dashboard.list_workers"] = list_workers
-    for endpoint in REFUSED:
-        app.view_functions[endpoint] = refused_view(endpoint)
+    views: dict[str, Callable[..., Any]] = {
+        "rq_dashboard.requeue_job_view": requeue_job_view,
+        "rq_dashboard.list_jobs": list_jobs,
+        "rq_dashboard.requeue_all": requeue_all,
+        "rq_dashboard.job_view": job_view,
+        "rq_dashboard.job_info": job_info,
+        "rq_dashboard.list_workers": list_workers,
+    }
+    views.update((endpoint, refused_view(endpoint)) for endpoint in REFUSED)
+    replace_rq_dashboard_before_request(app, [use_one_instance])
+    replace_rq_dashboard_views(app, views)
 
     @app.get("/healthz")
     def healthz() -> Response:

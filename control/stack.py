@@ -51,6 +51,7 @@ from redis.exceptions import RedisError
 from control.admin import add_endpoint, add_order, add_tenant
 from control.dashboard import DashboardConfig
 from control.migrations import migrate
+from payhook.compat import pgserver_holders_file, pgserver_lock
 from payhook.db import Row, connect, fetch_one
 from payhook.errors import PayhookError, SettingsError
 from payhook.logs import configure_logging
@@ -401,7 +402,7 @@ def start_embedded_postgres(pgdata: Path) -> tuple[str, Callable[[], None]]:
             ) from None
         # Under pgserver's own lock, as its holders change: a run starting
         # meanwhile must not be dropped from the list.
-        with PostgresServer._lock:
+        with pgserver_lock(PostgresServer):
             _forget_dead_holders(pgdata)
         server = get_server(pgdata, cleanup_mode="stop")
     return str(server.get_uri(database="payhook")), server.cleanup
@@ -419,7 +420,7 @@ def _forget_dead_holders(pgdata: Path) -> None:
     """pgserver stops its server when the last process holding it lets go, and
     lists the holders in a file: one killed (SIGKILL, a crash) stays listed,
     and the server would outlive every later run. Drop the pids that are gone."""
-    listed = pgdata / ".handle_pids.json"
+    listed = pgserver_holders_file(pgdata)
     try:
         pids = json.loads(listed.read_text())
     except (OSError, ValueError):

@@ -43,6 +43,7 @@ from redis.exceptions import RedisError
 from redis.maint_notifications import MaintNotificationsConfig
 
 from ingress.jobs import JobTemplate, PackedJob, pack_jobs
+from payhook.compat import writer_of
 from payhook.envelope import Envelope
 from payhook.errors import PayhookError
 from payhook.settings import Settings
@@ -259,12 +260,12 @@ def _send_now(connection: AbstractConnection, data: bytes) -> None:
     it runs under `asyncio.wait_for`, a task of its own: the bytes would leave
     a turn later, after every request of this one. The writer needs a full
     batch on the wire while those requests are still being checked, so it
-    writes to the connection's stream writer (redis-py's `_writer`, set by
-    `connect()`) itself. The transport takes the bytes whole and sends what
-    the socket accepts; a Redis that stops reading shows as a late reply,
-    which drops the connection.
+    writes to the connection's stream writer (`payhook.compat.writer_of`)
+    itself. The transport takes the bytes whole and sends what the socket
+    accepts; a Redis that stops reading shows as a late reply, which drops
+    the connection.
     """
-    writer = connection._writer
+    writer = writer_of(connection)
     if writer is None:
         raise RedisConnectionError("the connection is closed")
     try:

@@ -34,6 +34,7 @@ from redis import Redis
 from redis.client import Pipeline
 from rq.serializers import JSONSerializer
 
+from payhook.compat import assume_redis_version, pipeline_commands
 from payhook.envelope import Envelope
 from payhook.errors import PayhookError
 from payhook.queue import APPLY_EVENT, enqueue_event, events_queue
@@ -73,10 +74,11 @@ class _RecordingPipeline(Pipeline):
 
     def execute(self, raise_on_error: bool = True) -> list[Any]:
         encoder = self.connection_pool.get_encoder()
-        for args, _options in self.command_stack:
+        commands = pipeline_commands(self)
+        for args, _options in commands:
             # redis-py's encoder is unannotated; it turns str, int and float into bytes.
             self.sink.append([encoder.encode(arg) for arg in args])  # type: ignore[no-untyped-call]
-        replies = [1] * len(self.command_stack)
+        replies = [1] * len(commands)
         self.reset()
         return replies
 
@@ -104,7 +106,7 @@ def record_commands(settings: Settings, envelope: Envelope) -> list[Command]:
     connection = _RecordingRedis()
     queue = events_queue(connection, settings)
     # RQ asks the server its version before enqueueing; nothing it writes depends on it.
-    queue.redis_server_version = (7, 0, 0)
+    assume_redis_version(queue, (7, 0, 0))
     enqueue_event(queue, envelope, settings)
     return connection.sink
 

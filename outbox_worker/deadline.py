@@ -21,6 +21,8 @@ from typing import Any
 import httpcore
 import httpx
 
+from payhook.compat import replace_connection_pool
+
 _local = threading.local()
 
 
@@ -113,16 +115,17 @@ def build_transport(limits: httpx.Limits) -> httpx.HTTPTransport:
     """httpx's own transport, its socket operations bounded by the thread's deadline.
 
     httpx does not take a network backend; its connection pool does, so the
-    transport's pool (`_pool`, the one private name used) is replaced by an
-    equivalent one that has it. A test sends to a receiver that trickles its
+    transport's pool is replaced by an equivalent one that has it
+    (`payhook.compat.replace_connection_pool`). A test sends to a receiver that trickles its
     answer and checks that the delivery gives up at its deadline.
     """
     transport = httpx.HTTPTransport(limits=limits)
-    transport._pool = httpcore.ConnectionPool(
+    pool = httpcore.ConnectionPool(
         ssl_context=httpx.create_ssl_context(),
         max_connections=limits.max_connections,
         max_keepalive_connections=limits.max_keepalive_connections,
         keepalive_expiry=limits.keepalive_expiry,
         network_backend=_Backend(),
     )
+    replace_connection_pool(transport, pool)
     return transport

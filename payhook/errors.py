@@ -22,6 +22,10 @@ class MigrationError(PayhookError):
     """A migration could not be applied."""
 
 
+class IncompatibleDependency(PayhookError):
+    """A dependency no longer has an internal payhook relies on (payhook.compat)."""
+
+
 class NotFound(PayhookError):
     """No such record."""
 

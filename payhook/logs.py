@@ -9,6 +9,7 @@ import logging
 import os
 import select
 import sys
+import threading
 from datetime import UTC, datetime
 from json import dumps as json_dumps
 from typing import Any, BinaryIO, TextIO
@@ -64,8 +65,9 @@ def _json_text_line(logger: Any, method_name: str, event_dict: Any) -> str:
     return json_line(logger, method_name, event_dict).decode()
 
 
-class TurnFlushedBytesLogger(structlog.BytesLogger):
-    """structlog's `BytesLogger`, writing once per event-loop turn inside one.
+class TurnFlushedBytesLogger:
+    """A logger of bytes like structlog's `BytesLogger`, writing once per
+    event-loop turn inside one.
 
     Outside a running event loop (consumers, the outbox worker, commands)
     every line is written and flushed as it comes, as `BytesLogger` does.
@@ -82,17 +84,24 @@ class TurnFlushedBytesLogger(structlog.BytesLogger):
     bytes, so a turn's lines are written in runs of whole lines no longer
     than that, each flushed, and a write the stream took only in part is
     finished before the next begins.
+
+    Not a subclass of `BytesLogger`: that would mean using its private
+    attributes. structlog takes any object with these methods as a logger.
     """
 
-    __slots__ = ()
+    __slots__ = ("_file", "_lock")
+
+    def __init__(self, file: BinaryIO) -> None:
+        self._file = file
+        self._lock = _stream_lock(file)
 
     def msg(self, message: bytes) -> None:
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             with self._lock:
-                self._write(message + b"\n")
-                self._flush()
+                self._file.write(message + b"\n")
+                self._file.flush()
             return
         # Per stream and loop: loops in other threads keep their own lines.
         key = (self._file, loop)
@@ -115,6 +124,15 @@ class TurnFlushedBytesLogger(structlog.BytesLogger):
 
 #: Bytes a pipe takes in one piece (POSIX guarantees at least 512; Linux 4,096).
 PIPE_BUF = getattr(select, "PIPE_BUF", 512)
+
+#: One lock per stream, shared by every logger writing to it, so that the
+#: threads of a process never write into each other's lines.
+_stream_locks: dict[BinaryIO, threading.Lock] = {}
+
+
+def _stream_lock(file: BinaryIO) -> threading.Lock:
+    return _stream_locks.setdefault(file, threading.Lock())
+
 
 #: Per stream and event loop, the lines of this turn, waiting for its write.
 _turn_lines: dict[tuple[BinaryIO, asyncio.AbstractEventLoop], list[bytes]] = {}
