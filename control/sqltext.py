@@ -23,7 +23,7 @@ _PLAIN = re.compile(r"[a-z_][a-z0-9_$]*")
 _COMMENTS = frozenset({"SQL_COMMENT", "C_COMMENT"})
 #: The lexer's tokens that are string constants.
 _STRINGS = frozenset({"SCONST", "USCONST"})
-#: How the parser names the one plpgsql expression that is a whole statement.
+#: The parse mode of a PL/pgSQL expression that is a whole SQL statement.
 _RAW_PARSE_DEFAULT = 0
 
 
@@ -173,18 +173,21 @@ def name_parts(text: str) -> tuple[str, ...]:
 
 
 def _name(text: str, tokens: list[Token]) -> str:
-    """One name: a word, a quoted one, or a `U&"..." [UESCAPE 'c']`."""
-    kinds = [t.name for t in tokens]
-    one_word = len(tokens) == 1 and (
-        kinds[0] in ("IDENT", "UIDENT") or tokens[0].kind != "NO_KEYWORD"
+    """One name: a word (a keyword too), a quoted one, or `U&"..." [UESCAPE 'c']`."""
+    word = len(tokens) == 1 and (
+        tokens[0].name in ("IDENT", "UIDENT") or tokens[0].kind != "NO_KEYWORD"
     )
-    if not (one_word or kinds == ["UIDENT", "UESCAPE", "SCONST"]):
+    escaped = [t.name for t in tokens] == ["UIDENT", "UESCAPE", "SCONST"]
+    if not (word or escaped):
         raise UnreadableName(f"{text}: not a name as SQL writes it")
     try:  # any keyword may stand after AS, so this reads every name
         (raw,) = parse_sql(f"SELECT 1 AS {text[tokens[0].start : tokens[-1].end + 1]}")
     except ParseError as exc:
         raise UnreadableName(f"{text}: {exc}") from None
-    return str(raw.stmt.targetList[0].name)  # type: ignore[union-attr]
+    match raw.stmt:
+        case ast.SelectStmt(targetList=(ast.ResTarget(name=str(name)),)):
+            return name
+    raise UnreadableName(f"{text}: not a name as SQL writes it")
 
 
 def identifier(text: str) -> str:

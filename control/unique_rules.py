@@ -239,11 +239,11 @@ def _label(text: str) -> str:
     except ParseError:
         return _flat(text)
     kinds = [t.name for t in found]
-    key = next((k for k, kind in enumerate(kinds) if kind in ("UNIQUE", "PRIMARY")), 0)
-    named = [i + 1 for i in range(key) if kinds[i] == "CONSTRAINT"]
-    if named and named[-1] < key:
+    keyword = next((k for k, kind in enumerate(kinds) if kind in ("UNIQUE", "PRIMARY")), 0)
+    named = [i + 1 for i in range(keyword) if kinds[i] == "CONSTRAINT"]
+    if named and named[-1] < keyword:  # CONSTRAINT name UNIQUE
         with suppress(UnreadableName):
-            return identifier(text[found[named[-1]].start : found[key - 1].end + 1])
+            return identifier(text[found[named[-1]].start : found[keyword - 1].end + 1])
     if kinds[:2] == ["ALTER", "TABLE"]:
         first = 2
         while first < len(kinds) and kinds[first] in ("IF_P", "EXISTS", "ONLY"):
