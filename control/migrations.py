@@ -7,6 +7,8 @@ Each file runs in its own transaction and is recorded in
 is `-- payhook: no-transaction` runs statement by statement outside a
 transaction, for `CREATE INDEX CONCURRENTLY`; each of its statements must be
 safe to run again (`IF NOT EXISTS`), since a failure leaves it unrecorded.
+PostgreSQL's own parser (`control.sqltext`) splits it, and a file it cannot
+parse is refused before any of its statements runs.
 
 Live tables stay writable while a migration runs:
 
@@ -44,9 +46,10 @@ from typing import LiteralString, cast
 
 import psycopg
 import structlog
+from pglast import ast
 from psycopg import sql
 
-from control.sqltext import IDENTIFIER, QUALIFIED, identifier, qualified, split_statements
+from control.sqltext import Statement, relation_name, statements
 from control.unique_rules import RuleError, rules_in
 from control.uniqueness import SESSION_OPTIONS, require_no_conflicts
 from payhook.db import Row, connect, fetch_one
@@ -77,20 +80,6 @@ LOCK_POLL_MAX = 1.0
 NO_TRANSACTION_MARKER = "-- payhook: no-transaction"
 
 _NAME = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
-#: Statements whose waits never queue writers: they run without lock_timeout.
-_CONCURRENTLY = re.compile(
-    r"^\s*(?:CREATE\s+(?:UNIQUE\s+)?INDEX|DROP\s+INDEX|REINDEX\s+(?:\([^)]*\)\s*)?\w+)"
-    r"\s+CONCURRENTLY\b",
-    re.IGNORECASE,
-)
-_CREATE_CONCURRENTLY = re.compile(
-    r"^\s*CREATE\s+(?:UNIQUE\s+)?INDEX\s+CONCURRENTLY\b", re.IGNORECASE
-)
-_CONCURRENT_INDEX = re.compile(
-    r"^\s*CREATE\s+(?:UNIQUE\s+)?INDEX\s+CONCURRENTLY\s+(?:IF\s+NOT\s+EXISTS\s+)?"
-    rf"(?!ON\b)({IDENTIFIER})\s+ON\s+(?:ONLY\s+)?({QUALIFIED})",
-    re.IGNORECASE,
-)
 
 
 class InvalidIndexLeft(MigrationError):
@@ -257,9 +246,9 @@ def _apply_one(conn: psycopg.Connection[Row], migration: Migration, attempts: in
         if migration.transactional:
             _retry_lock_timeouts(whole_file, attempts, migration)
         else:
-            statements = split_statements(text)
-            _require_index_names(statements, migration)
-            for statement in statements:
+            found = statements(text)
+            _require_readable(found, migration)
+            for statement in found:
                 run = partial(_execute, conn, statement, attempts)
                 _retry_lock_timeouts(run, attempts, migration)
             conn.execute(record, params)
@@ -274,19 +263,47 @@ def _apply_one(conn: psycopg.Connection[Row], migration: Migration, attempts: in
         raise MigrationError(f"{migration.path.name}: {exc}") from exc
 
 
-def _require_index_names(statements: list[LiteralString], migration: Migration) -> None:
-    """Refuse a concurrent build that does not name its index, before any statement runs.
+def _require_readable(found: list[Statement], migration: Migration) -> None:
+    """Refuse, before any statement runs, one PostgreSQL cannot parse, and a
+    concurrent build that does not name its index.
 
     A failed build leaves an invalid index behind, and only its name finds
     it to drop it; PostgreSQL would give the next attempt another name.
     """
-    for statement in statements:
-        if _CREATE_CONCURRENTLY.match(statement) and not _CONCURRENT_INDEX.match(statement):
+    for statement in found:
+        written = " ".join(statement.text.split())
+        if statement.node is None:
             raise MigrationError(
-                f"{migration.path.name}: a concurrent index build must name its index "
-                "(CREATE INDEX CONCURRENTLY IF NOT EXISTS name ON ...): an invalid index "
-                f"a failed build leaves is found by name: {' '.join(statement.split())}"
+                f"{migration.path.name}: PostgreSQL cannot parse ({statement.error}): {written}"
             )
+        match statement.node:
+            case ast.IndexStmt(concurrent=True, idxname=None):
+                raise MigrationError(
+                    f"{migration.path.name}: a concurrent index build must name its index "
+                    "(CREATE INDEX CONCURRENTLY IF NOT EXISTS name ON ...): an invalid index "
+                    f"a failed build leaves is found by name: {written}"
+                )
+
+
+def _concurrent(node: ast.Node | None) -> bool:
+    """Whether a statement is one whose waits never queue writers (CREATE, DROP
+    or REINDEX ... CONCURRENTLY): it runs without lock_timeout."""
+    match node:
+        case ast.IndexStmt(concurrent=True) | ast.DropStmt(concurrent=True):
+            return True
+        case ast.ReindexStmt(params=params):
+            return any(p.defname == "concurrently" and _true(p.arg) for p in params or ())
+    return False
+
+
+def _true(arg: ast.Node | None) -> bool:
+    """An option's value as PostgreSQL reads a boolean: none given is true."""
+    match arg:
+        case ast.String(sval=str(word)):
+            return word not in ("false", "off")
+        case ast.Integer(ival=number):
+            return number != 0
+    return True
 
 
 def _retry_lock_timeouts(action: Callable[[], None], attempts: int, migration: Migration) -> None:
@@ -301,20 +318,20 @@ def _retry_lock_timeouts(action: Callable[[], None], attempts: int, migration: M
             time.sleep(LOCK_RETRY_DELAY * 2 ** (attempt - 1))
 
 
-def _execute(conn: psycopg.Connection[Row], statement: LiteralString, attempts: int) -> None:
+def _execute(conn: psycopg.Connection[Row], statement: Statement, attempts: int) -> None:
     """One statement outside a transaction; no invalid index survives a concurrent build."""
-    if _CONCURRENTLY.match(statement) is None:
-        conn.execute(statement)
+    if not _concurrent(statement.node):
+        conn.execute(statement.text)
         return
     with _without_lock_timeout(conn):
-        index = _CONCURRENT_INDEX.match(statement)
-        if index is None:
-            conn.execute(statement)
+        index = statement.node
+        if not isinstance(index, ast.IndexStmt) or index.relation is None or not index.idxname:
+            conn.execute(statement.text)
             return
-        name, table = identifier(index.group(1)), qualified(index.group(2))
+        name, table = index.idxname, relation_name(index.relation)
         _drop_invalid_index(conn, table, name, attempts)
         try:
-            conn.execute(statement)
+            conn.execute(statement.text)
         except psycopg.Error as exc:
             try:
                 _drop_invalid_index(conn, table, name, attempts)

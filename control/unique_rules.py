@@ -1,79 +1,49 @@
-"""The unique rules a migration adds, read from its SQL.
+"""The unique rules a migration adds, read from its parse tree.
 
 A rule is read from each CREATE UNIQUE INDEX and each ALTER TABLE ... ADD
-[CONSTRAINT name] UNIQUE | PRIMARY KEY (columns): its name (PostgreSQL's own
-when the SQL gives none), table, columns and scope, names read as PostgreSQL
-reads them. A rule that cannot be checked (on expressions, of another form,
-written in a string) is listed as such, never passed over in silence:
-`control.uniqueness` checks the others against the rows of a live table.
+[CONSTRAINT name] UNIQUE | PRIMARY KEY (columns), in the file or in the body
+of a DO block: its name (PostgreSQL's own when the SQL gives none), table,
+columns and scope. A rule that cannot be checked (on expressions, of another
+form, written in a string, in SQL PostgreSQL cannot parse) is listed as such,
+never passed over in silence: `control.uniqueness` checks the others against
+the rows of a live table.
 """
 
 from __future__ import annotations
 
 import re
+from contextlib import suppress
 from dataclasses import dataclass
 
 import structlog
+from pglast import ast
+from pglast.enums import AlterTableType, ConstrType, ObjectType
+from pglast.parser import ParseError
+from pglast.stream import RawStream
 
 from control.sqltext import (
-    IDENTIFIER,
-    QUALIFIED,
+    Statement,
     UnreadableName,
-    default_name,
+    block_parts,
     identifier,
-    name_parts,
     qualified,
-    split_code,
-    split_statements,
+    relation_name,
+    statements,
+    strings_in,
+    tokens,
 )
 from payhook.errors import PayhookError
 
 log = structlog.get_logger(__name__)
 
-_CREATE_UNIQUE = re.compile(r"\bCREATE\s+UNIQUE\s+INDEX\b", re.IGNORECASE)
-#: An index name, absent only when the name is (PostgreSQL then makes one up).
-_INDEX_NAME_PART = (
-    r"CREATE\s+UNIQUE\s+INDEX\s+(?:CONCURRENTLY\s+)?(?:IF\s+NOT\s+EXISTS\s+)?"
-    rf"(?:(?!ON\b)(?P<name>{IDENTIFIER})\s+)?ON\s+(?:ONLY\s+)?(?P<table>{QUALIFIED})"
-)
-_UNIQUE_INDEX = re.compile(
-    rf"^\s*{_INDEX_NAME_PART}\s*(?:USING\s+btree\s*)?"
-    r"\((?P<columns>[^()]*)\)(?P<rest>[^;]*)$",
-    re.IGNORECASE | re.DOTALL,
-)
-_INDEX_NAME = re.compile(rf"\b{_INDEX_NAME_PART}", re.IGNORECASE)
-#: An ALTER TABLE, inside a DO block too, up to the end of its actions (a `;`
-#: in a quoted name, or a UESCAPE's, is not one).
-_ALTER_TABLE = re.compile(
-    rf"\bALTER\s+TABLE\s+(?:IF\s+EXISTS\s+)?(?:ONLY\s+)?(?P<table>{QUALIFIED})"
-    r"""(?P<actions>(?:"(?:[^"]|"")*"|'[^']*'|[^;"'])*)""",
-    re.IGNORECASE,
-)
-#: One action of an ALTER TABLE that adds a unique or primary key constraint.
-_ADD_KEY = re.compile(
-    rf"\bADD\s+(?:CONSTRAINT\s+(?P<name>{IDENTIFIER})\s+)?(?P<kind>UNIQUE|PRIMARY\s+KEY)\s*"
-    r"(?P<nulls>NULLS\s+(?:NOT\s+)?DISTINCT\s*)?"
-    r"(?:(?P<using>USING\s+INDEX)\b|\((?P<columns>[^()]*)\)"
-    r"(?:\s*INCLUDE\s*\((?P<include>[^()]*)\))?)?",
-    re.IGNORECASE,
-)
-#: The columns an index carries without comparing them; PostgreSQL names it after them too.
-_INCLUDE = re.compile(r"\bINCLUDE\s*\((?P<include>[^()]*)\)", re.IGNORECASE)
-#: A unique rule written in a string: run through EXECUTE or a function, or only mentioned.
+#: Bytes of a name PostgreSQL keeps (NAMEDATALEN - 1).
+MAX_NAME_BYTES = 63
+_KEYS = (ConstrType.CONSTR_UNIQUE, ConstrType.CONSTR_PRIMARY)
+#: A unique rule in text that is not SQL to parse: a string (run through EXECUTE
+#: or a function, or only mentioned), or a statement PostgreSQL's grammar refuses.
 _MENTION = re.compile(
     r"\bCREATE\s+UNIQUE\s+INDEX\b|\bALTER\s+TABLE\b[^;]*?\b(?:UNIQUE|PRIMARY\s+KEY)\b",
     re.IGNORECASE,
-)
-#: Wherever an ALTER TABLE says it (out of quoted names): a rule of some form, read or not.
-_KEY_WORD = re.compile(r"\b(?:UNIQUE|PRIMARY\s+KEY)\b", re.IGNORECASE)
-_QUOTED_NAME = re.compile(r'"(?:[^"]|"")*"')
-_COLUMN = re.compile(
-    rf"^({IDENTIFIER})(?:\s+(?:ASC|DESC))?(?:\s+NULLS\s+(?:FIRST|LAST))?$", re.IGNORECASE
-)
-#: The WHERE of a partial index: the first outside quoted names and strings.
-_WHERE = re.compile(
-    r"""^(?P<head>(?:"(?:[^"]|"")*"|'(?:[^']|'')*'|[^"'])*?)\bWHERE\b(?P<predicate>.*)$""",
-    re.IGNORECASE | re.DOTALL,
 )
 
 
@@ -88,7 +58,7 @@ class UniqueRule:
     name: str
     table: str
     columns: tuple[str, ...]
-    #: The WHERE of a partial index: SQL from a migration file.
+    #: The WHERE of a partial index: SQL from a migration file, as PostgreSQL prints it.
     predicate: str | None = None
     #: False for NULLS NOT DISTINCT: rows with nulls in the key conflict too.
     nulls_distinct: bool = True
@@ -100,6 +70,9 @@ class UncheckableRule:
 
     name: str
     reason: str
+
+
+Rule = UniqueRule | UncheckableRule
 
 
 def rules_in(text: str, *, strict: bool = True) -> list[UniqueRule]:
@@ -119,76 +92,88 @@ def rules_in(text: str, *, strict: bool = True) -> list[UniqueRule]:
     return rules
 
 
-def all_rules_in(text: str) -> list[UniqueRule | UncheckableRule]:
+def all_rules_in(text: str) -> list[Rule]:
     """The unique rules a migration's SQL adds, in order, those that cannot be checked too.
 
     Read: CREATE UNIQUE INDEX on plain columns (with a WHERE or NULLS NOT
     DISTINCT), and ALTER TABLE ... ADD [CONSTRAINT name] UNIQUE | PRIMARY KEY
     (columns), each action of the statement. A rule without a name gets the
     one PostgreSQL gives it. Any other form of rule an ALTER TABLE adds (a
-    column's UNIQUE, say), and a rule written in a string (EXECUTE, a
-    function's body, a notice), is listed as one that cannot be checked,
-    never passed over in silence.
+    column's UNIQUE, say), a rule written in a string (EXECUTE, a function's
+    body, a notice), and one in a statement PostgreSQL cannot parse, is listed
+    as one that cannot be checked, never passed over in silence.
     """
-    rules: list[UniqueRule | UncheckableRule] = []
-    for statement in split_statements(text):
-        try:
-            rules += _statement_rules(statement)
-        except UnreadableName as exc:  # PostgreSQL refuses the whole statement
-            rules.append(
-                UncheckableRule(" ".join(statement.split()), f"{exc}; the build is the check")
-            )
-    return rules
+    return [rule for statement in statements(text) for rule in _statement_rules(statement)]
 
 
-def _statement_rules(statement: str) -> list[UniqueRule | UncheckableRule]:
-    """The rules of one statement (`UnreadableName`: one of its names PostgreSQL refuses)."""
-    rules: list[UniqueRule | UncheckableRule] = []
-    # Comments and strings apart: a rule in a string is at most a warning.
-    code, strings = split_code(statement)
-    if _CREATE_UNIQUE.search(code):
-        try:
-            rules.append(_index_rule(statement))
-        except RuleError as exc:
-            named = _INDEX_NAME.search(code)
-            name = (
-                identifier(named["name"])
-                if named and named["name"]
-                else " ".join(statement.split())
-            )
-            rules.append(UncheckableRule(name, str(exc)))
-    for alter in _ALTER_TABLE.finditer(code):
-        rules += _table_rules(alter, statement)
-    mention = _MENTION.search(strings)
-    if mention is not None:
-        written = " ".join(strings[mention.start() :].split())[:120]
-        rules.append(
-            UncheckableRule(
-                written,
-                "a unique rule written in a string: if the migration runs it (EXECUTE, "
-                "a function) it cannot be checked, and the build is the check",
-            )
+def _statement_rules(statement: Statement) -> list[Rule]:
+    node, text = statement.node, statement.text
+    if node is None:
+        return _unparsed(statement)
+    if isinstance(node, ast.DoStmt):
+        return _block_rules(node, text)
+    rules: list[Rule] = []
+    if isinstance(node, ast.IndexStmt) and node.unique:
+        rules.append(_index_rule(node, text))
+    elif isinstance(node, ast.AlterTableStmt) and node.objtype == ObjectType.OBJECT_TABLE:
+        rules += _table_rules(node, text)
+    return rules + _mentioned(strings_in(text))
+
+
+def _block_rules(node: ast.DoStmt, text: str) -> list[Rule]:
+    """The rules of the statements a DO block runs, and those in its strings."""
+    try:
+        code, strings = block_parts(node)
+    except ParseError as exc:
+        return _unparsed(Statement(text, None, str(exc)))
+    rules = [rule for sql in code for s in statements(sql) for rule in _statement_rules(s)]
+    return rules + _mentioned(strings)
+
+
+def _index_rule(node: ast.IndexStmt, text: str) -> Rule:
+    assert node.relation is not None  # the grammar requires ON table
+    columns = _columns(node.indexParams)
+    included = _columns(node.indexIncludingParams)
+    if columns is None or included is None or node.accessMethod != "btree":
+        return UncheckableRule(
+            node.idxname or _flat(text),
+            f"cannot read the unique rule of: {_flat(text)} (only a rule on plain columns "
+            "can be checked; the index build is the check)",
         )
-    return rules
+    name = node.idxname or default_name(str(node.relation.relname), columns + included, "idx")
+    return UniqueRule(
+        name=name,
+        table=relation_name(node.relation),
+        columns=columns,
+        predicate=RawStream()(node.whereClause) if node.whereClause else None,
+        nulls_distinct=not node.nulls_not_distinct,
+    )
 
 
-def _table_rules(alter: re.Match[str], statement: str) -> list[UniqueRule | UncheckableRule]:
-    table = qualified(alter["table"])
-    rules: list[UniqueRule | UncheckableRule] = []
-    adds = list(_ADD_KEY.finditer(alter["actions"]))
-    for add in adds:
-        if add["using"]:
-            continue  # an index built before: its build was the check
-        try:
-            rules.append(_added_rule(add, table, statement))
-        except RuleError as exc:
-            name = identifier(add["name"]) if add["name"] else table
-            rules.append(UncheckableRule(name, str(exc)))
-    if len(_KEY_WORD.findall(_QUOTED_NAME.sub('""', alter["actions"]))) > len(adds):
+def _columns(elements: tuple[ast.IndexElem, ...] | None) -> tuple[str, ...] | None:
+    """The columns of an index, if each is a plain one: None for an expression,
+    or a collation or operator class (they change what is equal)."""
+    if any(e.name is None or e.collation or e.opclass for e in elements or ()):
+        return None
+    return tuple(str(e.name) for e in elements or ())
+
+
+def _table_rules(node: ast.AlterTableStmt, text: str) -> list[Rule]:
+    assert node.relation is not None
+    rules: list[Rule] = []
+    unread = False
+    for cmd in node.cmds or ():
+        key = cmd.def_
+        if cmd.subtype == AlterTableType.AT_AddConstraint and isinstance(key, ast.Constraint):
+            if key.contype in _KEYS and key.indexname is None:  # USING INDEX: built before
+                rules.append(_added_rule(key, node.relation, text))
+        elif isinstance(key, ast.ColumnDef):
+            unread |= any(c.contype in _KEYS for c in key.constraints or ())
+    if unread:
         rules.append(
             UncheckableRule(
-                table,
-                f"cannot read every unique rule of: {' '.join(statement.split())} (only "
+                relation_name(node.relation),
+                f"cannot read every unique rule of: {_flat(text)} (only "
                 "ADD [CONSTRAINT name] UNIQUE | PRIMARY KEY (columns) can be checked; "
                 "the build is the check)",
             )
@@ -196,73 +181,107 @@ def _table_rules(alter: re.Match[str], statement: str) -> list[UniqueRule | Unch
     return rules
 
 
-def _added_rule(add: re.Match[str], table: str, statement: str) -> UniqueRule:
-    """The rule of one ADD ... UNIQUE | PRIMARY KEY action (`RuleError`: unreadable)."""
-    if add["columns"] is None:
-        raise RuleError(
-            f"cannot read the columns of the rule in: {' '.join(statement.split())} "
-            "(the build is the check)"
+def _added_rule(key: ast.Constraint, relation: ast.RangeVar, text: str) -> Rule:
+    """The rule of one ADD ... UNIQUE | PRIMARY KEY action."""
+    if key.without_overlaps:  # compares ranges, not values
+        return UncheckableRule(
+            key.conname or relation_name(relation),
+            f"only plain column lists can be checked, not WITHOUT OVERLAPS in: {_flat(text)}",
         )
-    columns = _columns(add["columns"], statement)
-    if add["name"]:
-        name = identifier(add["name"])
-    elif add["kind"].upper().startswith("PRIMARY"):
-        name = default_name(name_parts(table)[-1], (), "pkey")
+    columns = tuple(str(k.sval) for k in key.keys or ())
+    if key.conname:
+        name = key.conname
+    elif key.contype == ConstrType.CONSTR_PRIMARY:
+        name = default_name(str(relation.relname), (), "pkey")
     else:
-        included = _included(add["include"], statement)
-        name = default_name(name_parts(table)[-1], columns + included, "key")
+        included = tuple(str(k.sval) for k in key.including or ())
+        name = default_name(str(relation.relname), columns + included, "key")
     return UniqueRule(
-        name=name,
-        table=table,
-        columns=columns,
-        nulls_distinct=re.search(r"\bNOT\b", add["nulls"] or "", re.IGNORECASE) is None,
+        name, relation_name(relation), columns, nulls_distinct=not key.nulls_not_distinct
     )
 
 
-def _index_rule(statement: str) -> UniqueRule:
-    match = _UNIQUE_INDEX.match(statement)
-    if match is None:
-        raise RuleError(
-            f"cannot read the unique rule of: {' '.join(statement.split())} (only a rule "
-            "on plain columns can be checked; the index build is the check)"
+def _mentioned(strings: list[str]) -> list[Rule]:
+    """A unique rule written in a string: listed, once, never checked."""
+    text = "\n".join(strings)
+    mention = _MENTION.search(text)
+    if mention is None:
+        return []
+    written = _flat(text[mention.start() :])[:120]
+    return [
+        UncheckableRule(
+            written,
+            "a unique rule written in a string: if the migration runs it (EXECUTE, "
+            "a function) it cannot be checked, and the build is the check",
         )
-    rest = match["rest"]
-    where = _WHERE.match(rest)
-    head = where["head"] if where else rest
-    included = _INCLUDE.search(head)
-    table = qualified(match["table"])
-    columns = _columns(match["columns"], statement)
-    return UniqueRule(
-        name=identifier(match["name"])
-        if match["name"]
-        else default_name(
-            name_parts(table)[-1],
-            columns + _included(included and included["include"], statement),
-            "idx",
-        ),
-        table=table,
-        columns=columns,
-        predicate=where["predicate"].strip() if where else None,
-        nulls_distinct=re.search(
-            r"\bNULLS\s+NOT\s+DISTINCT\b", _QUOTED_NAME.sub('""', head), re.IGNORECASE
-        )
-        is None,
-    )
+    ]
 
 
-def _included(text: str | None, statement: str) -> tuple[str, ...]:
-    """The columns of an INCLUDE, for the name PostgreSQL gives the rule."""
-    return _columns(text, statement) if text else ()
+def _unparsed(statement: Statement) -> list[Rule]:
+    """A statement PostgreSQL cannot parse that reads like a unique rule: it
+    will refuse it too, and no rule is guessed from it."""
+    try:  # UNIQUE or PRIMARY KEY as a keyword, not in a quoted name
+        keyed = any(t.name in ("UNIQUE", "PRIMARY") for t in tokens(statement.text))
+    except ParseError:
+        keyed = False
+    if not keyed and _MENTION.search(statement.text) is None:
+        return []
+    reason = f"PostgreSQL cannot parse: {_flat(statement.text)} ({statement.error}); "
+    return [UncheckableRule(_label(statement.text), reason + "the build is the check")]
 
 
-def _columns(text: str, statement: str) -> tuple[str, ...]:
-    columns = []
-    for part in text.split(","):
-        match = _COLUMN.match(part.strip())
-        if match is None:
-            raise RuleError(
-                f"only plain column lists can be checked, not {part.strip()!r} in: "
-                f"{' '.join(statement.split())}"
-            )
-        columns.append(identifier(match.group(1)))
-    return tuple(columns)
+def _label(text: str) -> str:
+    """What to list a statement PostgreSQL cannot parse under: the constraint
+    named right before its first UNIQUE or PRIMARY KEY, else the table it
+    alters, else the statement itself."""
+    try:
+        found = tokens(text)
+    except ParseError:
+        return _flat(text)
+    kinds = [t.name for t in found]
+    keyword = next((k for k, kind in enumerate(kinds) if kind in ("UNIQUE", "PRIMARY")), 0)
+    named = [i + 1 for i in range(keyword) if kinds[i] == "CONSTRAINT"]
+    if named and named[-1] < keyword:  # CONSTRAINT name UNIQUE
+        with suppress(UnreadableName):
+            return identifier(text[found[named[-1]].start : found[keyword - 1].end + 1])
+    if kinds[:2] == ["ALTER", "TABLE"]:
+        first = 2
+        while first < len(kinds) and kinds[first] in ("IF_P", "EXISTS", "ONLY"):
+            first += 1
+        last = first  # a name ends at the next keyword: ADD, DROP...
+        while last < len(kinds) and (found[last].kind == "NO_KEYWORD" or kinds[last] == "UESCAPE"):
+            last += 1
+        if first < last:
+            with suppress(UnreadableName):
+                return qualified(text[found[first].start : found[last - 1].end + 1])
+    return _flat(text)
+
+
+def default_name(relation: str, columns: tuple[str, ...], label: str) -> str:
+    """The name PostgreSQL gives an index or constraint created without one
+    (`label`: idx, key, pkey), if that name is free (else it adds a number):
+    the table's name, the columns' (those of INCLUDE too, a repeated one
+    numbered; none for a primary key) and the label, joined with `_`, the
+    longer part cut first to fit 63 bytes."""
+    names: list[str] = []
+    for column in columns:  # as ChooseIndexColumnNames
+        name, number = column, 0
+        while name in names:
+            number += 1
+            name = _clip(column, MAX_NAME_BYTES - len(str(number))) + str(number)
+        names.append(name)
+    parts = [relation, "_".join(names)] if names else [relation]
+    room = MAX_NAME_BYTES - len(label.encode()) - len(parts)
+    sizes = [len(p.encode()) for p in parts]
+    while sum(sizes) > room:  # as makeObjectName: a tie cuts the columns
+        sizes[0 if sizes[0] > sizes[-1] else -1] -= 1
+    return "_".join([*(_clip(p, n) for p, n in zip(parts, sizes, strict=True)), label])
+
+
+def _clip(name: str, size: int) -> str:
+    """The longest start of `name` that fits `size` bytes, whole characters only."""
+    return name.encode()[:size].decode(errors="ignore")
+
+
+def _flat(text: str) -> str:
+    return " ".join(text.split())

@@ -155,3 +155,19 @@ def test_concurrent_runs_of_a_create_index_concurrently_migration_do_not_deadloc
         t.join(timeout=60)
     assert not any(t.is_alive() for t in threads), "a migration run hung"
     assert sorted(len(r) for r in results if isinstance(r, list)) == [0, 0, 2], results
+
+
+def test_a_no_transaction_migration_postgresql_cannot_parse_is_refused_before_it_runs(
+    empty_db: str, tmp_path: Path
+) -> None:
+    (tmp_path / "0001_table.sql").write_text("CREATE TABLE public.t (tenant_id int, x int);")
+    (tmp_path / "0002_index.sql").write_text(
+        "-- payhook: no-transaction\n"
+        "CREATE INDEX CONCURRENTLY IF NOT EXISTS t_x ON public.t (x);\n"
+        "CREATE INDEX CONCURRENTLY IF NOT EXISTS t_y ON public.t (tenant_id) WHERE;\n"
+    )
+    with pytest.raises(MigrationError, match=r"0002_index\.sql: PostgreSQL cannot parse"):
+        apply_migrations(test_settings(empty_db), tmp_path)
+    with psycopg.connect(f"{PG_SERVER}/{empty_db}") as conn:
+        made = conn.execute("SELECT to_regclass('public.t_x') IS NULL").fetchone()
+    assert made == (True,), "its first statement did not run either"

@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
-from control.sqltext import identifier, qualified, quoted, split_code, split_statements
+import pytest
+from pglast import ast
+
+from control.sqltext import (
+    UnreadableName,
+    block_parts,
+    identifier,
+    qualified,
+    quoted,
+    split_statements,
+    statements,
+)
 from control.unique_rules import UncheckableRule, UniqueRule, all_rules_in, rules_in
 
 
@@ -148,8 +159,11 @@ END
 $$;
 """
     assert all_rules_in(text) == [UniqueRule("x_key", "payhook.x", ("tenant_id", "c"))]
-    code, _ = split_code(text)
-    assert "old_key" not in code and "gone" not in code and "don't" not in code
+    (statement,) = statements(text)
+    assert isinstance(statement.node, ast.DoStmt)
+    code, strings = block_parts(statement.node)
+    assert code == ["ALTER TABLE payhook.x ADD CONSTRAINT x_key UNIQUE (tenant_id, c)"]
+    assert strings == [" don't -- ", "x_key"], "a comment is neither code nor a string"
 
 
 def test_a_rule_in_a_string_is_listed_as_unchecked_never_checked() -> None:
@@ -188,10 +202,11 @@ def test_a_do_block_whose_body_is_a_quoted_string_is_read_as_a_dollar_quoted_one
         "DO LANGUAGE 'plpgsql' E'BEGIN ALTER TABLE payhook.x ADD CONSTRAINT x_key UNIQUE"
         " (tenant_id, c);\\n RAISE NOTICE \\'CREATE UNIQUE INDEX no ON t (a); it''''s\\'; END';",
     ):
-        (statement,) = split_statements(text)
-        code, strings = split_code(statement)
-        assert "ADD CONSTRAINT x_key" in code and "x_key" not in strings
-        assert strings.splitlines()[-1] == "CREATE UNIQUE INDEX no ON t (a); it''s"
+        (statement,) = statements(text)
+        assert isinstance(statement.node, ast.DoStmt)
+        code, strings = block_parts(statement.node)
+        assert code == ["ALTER TABLE payhook.x ADD CONSTRAINT x_key UNIQUE (tenant_id, c)"]
+        assert strings == ["CREATE UNIQUE INDEX no ON t (a); it's"]
         rule, mention = all_rules_in(text)
         assert rule == UniqueRule("x_key", "payhook.x", ("tenant_id", "c"))
         assert isinstance(mention, UncheckableRule)
@@ -228,7 +243,6 @@ def test_a_unicode_escaped_name_postgresql_would_refuse_is_listed_as_unchecked()
         'U&"\\D83Dx"',
         'U&"\\+110000"',
         "U&\"a!0061\" UESCAPE 'a'",
-        "U&\"!0061\" UESCAPE E'!'",
         "U&\"!0061\" UESCAPE '!!'",
     ):
         for text in (
@@ -238,6 +252,13 @@ def test_a_unicode_escaped_name_postgresql_would_refuse_is_listed_as_unchecked()
         ):
             (rule,) = all_rules_in(text)
             assert isinstance(rule, UncheckableRule), text
+
+
+def test_an_escape_character_written_as_an_e_string_is_one_postgresql_takes() -> None:
+    """Its lexer reads `E'!'` as the simple string `!`: PostgreSQL names the index `a`."""
+    assert identifier("U&\"!0061\" UESCAPE E'!'") == "a"
+    text = "CREATE UNIQUE INDEX U&\"!0061\" UESCAPE E'!' ON payhook.t (a);"
+    assert all_rules_in(text) == [UniqueRule("a", "payhook.t", ("a",))]
 
 
 def test_where_in_a_quoted_name_or_a_string_does_not_start_or_change_a_predicate() -> None:
@@ -272,3 +293,53 @@ def test_a_rule_s_name_is_the_one_postgresql_keeps_and_reads_back_from_its_quote
     for rule in rules:
         assert identifier(quoted(rule.name)) == rule.name
     assert identifier(f'"Ex_{e * 40}"') == rules[0].name
+
+
+def test_a_statement_postgresql_cannot_parse_is_listed_and_those_around_it_are_read() -> None:
+    """PostgreSQL refuses a key on an expression in ALTER TABLE: no rule is
+    guessed from it, it is listed under its name, and the rest is read."""
+    text = """ALTER TABLE t ADD UNIQUE (a);
+ALTER TABLE t ADD CONSTRAINT "my;key" UNIQUE (lower(b));
+CREATE UNIQUE INDEX k ON t (c);
+"""
+    found = statements(text)
+    assert [s.node is None for s in found] == [False, True, False]
+    assert "syntax error" in found[1].error
+    rules = all_rules_in(text)
+    assert rules[0] == UniqueRule("t_a_key", "t", ("a",))
+    assert isinstance(rules[1], UncheckableRule) and rules[1].name == "my;key"
+    assert rules[2] == UniqueRule("k", "t", ("c",))
+
+
+def test_what_is_not_one_name_is_refused_not_guessed() -> None:
+    for text in ("a b", "lower(x)", "", "t.*", "a;b", "1abc"):
+        with pytest.raises(UnreadableName):
+            qualified(text)
+    with pytest.raises(UnreadableName):
+        identifier("payhook.t")
+    assert qualified("Cat.S.T") == "cat.s.t"
+    (rule,) = all_rules_in("ALTER TABLE cat.s.t ADD UNIQUE (x);")
+    assert rule == UniqueRule("t_x_key", "cat.s.t", ("x",)), "database, schema and table"
+
+
+def test_a_rule_in_a_loop_or_an_exception_block_of_a_do_body_is_read() -> None:
+    text = """DO $$
+DECLARE r record;
+BEGIN
+    FOR r IN SELECT 1 LOOP
+        CREATE UNIQUE INDEX IF NOT EXISTS z ON t (a) WHERE a <> 'x';
+    END LOOP;
+EXCEPTION WHEN duplicate_table THEN
+    ALTER TABLE t ADD CONSTRAINT y UNIQUE (b);
+END $$;
+"""
+    assert all_rules_in(text) == [
+        UniqueRule("z", "t", ("a",), predicate="a <> 'x'"),
+        UniqueRule("y", "t", ("b",)),
+    ]
+
+
+def test_the_body_of_a_do_block_in_another_language_is_a_string() -> None:
+    text = "DO LANGUAGE plpython3u $$ plpy.execute('ALTER TABLE t ADD UNIQUE (a)') $$;"
+    (rule,) = all_rules_in(text)
+    assert isinstance(rule, UncheckableRule) and "written in a string" in rule.reason
