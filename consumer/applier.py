@@ -34,13 +34,10 @@ from consumer.handler import Runtime, handle
 from consumer.transaction import Applied
 from payhook.db import cancel_waiting, error_summary
 from payhook.errors import DatabaseError, RefusedJob
+from payhook.outcomes import REFUSED_OUTCOMES
 
 log = structlog.get_logger(__name__)
 
-#: Outcomes of a job the consumer could not trust or read: each is recorded
-#: as a security anomaly, applies nothing, and fails the job into the
-#: dead-letter queue without retries.
-REFUSED = frozenset({"signature_invalid", "unknown_endpoint", "malformed_job"})
 #: Fault point: SIGKILL this process right after the transaction commits,
 #: once RQ has recorded the job as started.
 FAULT_KILL_AFTER_COMMIT = "consumer_kill_after_commit"
@@ -79,7 +76,7 @@ class Applier:
         """
         ahead = self._collect(job_id)
         result = self._wait(ahead) if ahead is not None else self.apply(envelope)
-        if result.outcome in REFUSED:
+        if result.outcome in REFUSED_OUTCOMES:
             raise RefusedJob(f"{result.outcome}: recorded as a security anomaly, nothing applied")
         if FAULT_KILL_AFTER_COMMIT in self.runtime.settings.faults:
             log.warning("fault_kill_after_commit")

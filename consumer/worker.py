@@ -38,6 +38,12 @@ from rq.worker import SimpleWorker, WorkerStatus
 
 from consumer.applier import Applier
 from payhook import quarantine
+from payhook.compat import (
+    JobWithDataHook,
+    rq_callback_names,
+    rq_dependency_ids,
+    set_worker_state,
+)
 from payhook.errors import ForbiddenJob, PayhookError, RefusedJob, UnreadableJob
 from payhook.jobhash import check_job_id, data_bound
 from payhook.queue import APPLY_EVENT, ReadableJob
@@ -54,7 +60,7 @@ FAULT_KILL_BEFORE_STARTED = "consumer_kill_before_started"
 FAULT_KILL_BETWEEN_START_WRITES = "consumer_kill_between_start_writes"
 
 
-class PayhookJob(ReadableJob):
+class PayhookJob(ReadableJob, JobWithDataHook):
     allowed_functions = ALLOWED_FUNCTIONS
     #: Applies the job's event: its worker's, given to each job it runs.
     applier: Applier | None = None
@@ -63,18 +69,14 @@ class PayhookJob(ReadableJob):
 
     def restore(self, raw_data: Any) -> Any:
         restored = super().restore(raw_data)
-        callbacks = (
-            self._success_callback_name,
-            self._failure_callback_name,
-            self._stopped_callback_name,
-        )
+        callbacks = rq_callback_names(self)
         carried = [
             name
             for name, value in (
                 ("webhooks", self.webhooks),
                 ("repeats", self.repeats_left),
                 ("callbacks", any(callbacks)),
-                ("dependencies", self._dependency_ids),
+                ("dependencies", rq_dependency_ids(self)),
                 ("a group", self.group_id),
                 # A ttl would let an accepted event's job expire while it waits.
                 ("a ttl", self.ttl is not None and self.ttl >= 0),
@@ -89,14 +91,10 @@ class PayhookJob(ReadableJob):
         self.repeats_left = None
         return restored
 
-    def _deserialize_data(self) -> None:
+    def on_unreadable_data(self) -> None:
         """A job whose data cannot be read fails without retries: reading it
         again will not help, and the dead-letter queue keeps it for an operator."""
-        try:
-            super()._deserialize_data()  # type: ignore[no-untyped-call]
-        except Exception:
-            self.retries_left = 0
-            raise
+        self.retries_left = 0
 
     def send_webhooks(self, status: Any, *, exc_string: str | None = None) -> None:
         """Never: payhook's jobs have no webhooks, and a forged one must not
@@ -136,15 +134,15 @@ class PayhookJob(ReadableJob):
 
     @property
     def success_callback(self) -> Any:
-        return self._refuse_callback(self._success_callback_name)
+        return self._refuse_callback(rq_callback_names(self)[0])
 
     @property
     def failure_callback(self) -> Any:
-        return self._refuse_callback(self._failure_callback_name)
+        return self._refuse_callback(rq_callback_names(self)[1])
 
     @property
     def stopped_callback(self) -> Any:
-        return self._refuse_callback(self._stopped_callback_name)
+        return self._refuse_callback(rq_callback_names(self)[2])
 
     def _refuse_callback(self, name: str | None) -> None:
         if name:
@@ -304,7 +302,7 @@ class PayhookWorker(SimpleWorker):
         # The job is in hand from here, as RQ's first write will tell Redis:
         # a stop asked for while it is begun waits for it to finish, instead
         # of raising StopRequested in the middle of `begin_ahead`.
-        self._state = WorkerStatus.BUSY
+        set_worker_state(self, WorkerStatus.BUSY)
         if isinstance(job, PayhookJob):
             job.applier = self.applier
         self.begin_ahead(job)
