@@ -187,7 +187,7 @@ def cmd_retention(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_uniqueness(args: argparse.Namespace, settings: Settings) -> int:
-    from control.uniqueness import run
+    from control.uniqueness_command import run
 
     return run(args, settings)
 

@@ -15,7 +15,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from control import migrations, uniqueness
+from control import migrations, uniqueness, uniqueness_command
 from control.migrations import InvalidIndexLeft, apply_migrations, list_migrations
 from control.unique_rules import RuleError, UniqueRule
 from control.uniqueness import check_rule, remaining_conflicts, resolve_rule
@@ -299,7 +299,7 @@ def run_check(
 ) -> tuple[int, list[str]]:
     """`payhook uniqueness check [--rule RULE]`: its exit status and the JSON lines it printed."""
     args = argparse.Namespace(action="check", rule=rule, table=None, columns=None, ignore=None)
-    status = uniqueness.run(args, settings)
+    status = uniqueness_command.run(args, settings)
     return status, [line for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
 
 
@@ -362,7 +362,7 @@ def test_naming_a_rule_that_cannot_be_checked_says_so_and_why(
         RuleError,
         match=r"--rule refund_requests_lower_key: cannot be checked: .*lower\(ref\)",
     ):
-        uniqueness.run(args, settings)
+        uniqueness_command.run(args, settings)
 
 
 def test_a_rule_named_with_its_table_that_does_not_exist_is_still_an_error(
@@ -372,7 +372,7 @@ def test_a_rule_named_with_its_table_that_does_not_exist_is_still_an_error(
         action="check", rule="x_key", table="payhook.nope", columns="tenant_id", ignore=None
     )
     with pytest.raises(uniqueness.NotYetThere, match=r"no table payhook\.nope"):
-        uniqueness.run(args, settings)
+        uniqueness_command.run(args, settings)
 
 
 def test_a_trailing_comment_does_not_glue_two_concurrent_builds_together(
