@@ -210,7 +210,7 @@ def test_a_job_carrying_webhooks_or_an_odd_function_name_is_refused_and_sends_no
     signed = factory.standard_envelope(shop, StandardEvent(type="customer.created")).to_json()
     queue = events_queue(redis_conn, settings)
     hooks = [
-        Webhook(f"http://127.0.0.1:{port}/{status}", status, timeout=10**6)  # type: ignore[arg-type]
+        Webhook(f"http://127.0.0.1:{port}/{status}", status, timeout=10**6)
         for status in ("finished", "failed")
     ]
     hooked = queue.enqueue(APPLY_EVENT, signed, webhooks=hooks, retry=Retry(max=3))

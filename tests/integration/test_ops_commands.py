@@ -94,7 +94,7 @@ def test_trace_shows_times_python_cannot_hold(
     """Receipts stored before times were bounded: a payment dated past year
     9999 in UTC, an archived receipt of year 1; whatever the session's zone."""
     shop = factory.shop()
-    conn.execute(f"SET timezone = '{timezone_name}'")  # type: ignore[arg-type]
+    conn.execute(f"SET timezone = '{timezone_name}'")
     receipt = {
         "tenant_id": shop.tenant_id,
         "endpoint_id": shop.endpoint_id,

@@ -434,7 +434,7 @@ def test_a_database_without_the_report_refuses_conflicts_as_unclassified(
         assert apply_migrations(settings, tmp_path) == ["0002_index.sql"]
     finally:
         with psycopg.connect(f"{PG_SERVER}/postgres", autocommit=True) as admin:
-            admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")  # type: ignore[arg-type]
+            admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
 
 def test_uniqueness_commands_check_then_resolve(
