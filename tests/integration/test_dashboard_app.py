@@ -12,9 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from flask import Response
 from flask.testing import FlaskClient
 from prometheus_client.parser import text_string_to_metric_families
 from redis import Redis
+from redis.typing import EncodableT, FieldT
 from rq import Queue, Worker
 from rq.job import Job
 from rq.registry import FailedJobRegistry
@@ -218,6 +220,7 @@ def test_every_view_that_could_move_jobs_is_payhooks_own_or_refused(
     for endpoint in REFUSED:
         with app.test_request_context(method="POST", headers=AUTH):
             answer = app.view_functions[endpoint](job_id="x", queue_name="q", registry_name="r")
+        assert isinstance(answer, Response)
         assert answer.status_code == 403, endpoint
 
 
@@ -385,14 +388,17 @@ def test_no_forged_id_or_name_reaches_the_pages_as_html(
     # a job hash RQ reads, under an id RQ would never give
     redis_conn.hset(Job.key_for(MARKUP), mapping=redis_conn.hgetall(good.key))  # type: ignore[arg-type]
     # a job RQ cannot read, but whose creation time is readable
-    unreadable = redis_conn.hgetall(good.key) | {b"status": b"no such status"}
-    redis_conn.hset("rq:job:bad-status", mapping=unreadable)  # type: ignore[arg-type]
+    unreadable_hash = redis_conn.hgetall(good.key) | {b"status": b"no such status"}
+    redis_conn.hset("rq:job:bad-status", mapping=unreadable_hash)  # type: ignore[arg-type]
     redis_conn.zadd(registry.key, {"bad-status": time.time() + 86400})
     worker = Worker([queue], connection=redis_conn, serializer=JSONSerializer)
     worker.register_birth()
     forged = f"{Worker.redis_worker_namespace_prefix}{MARKUP}"
-    fields = {b"version": MARKUP.encode(), b"python_version": MARKUP.encode()}
-    redis_conn.hset(forged, mapping=redis_conn.hgetall(worker.key) | fields)  # type: ignore[arg-type]
+    fields: dict[FieldT, EncodableT] = {
+        b"version": MARKUP.encode(),
+        b"python_version": MARKUP.encode(),
+    }
+    redis_conn.hset(forged, mapping=redis_conn.hgetall(worker.key) | fields)
     redis_conn.sadd(REDIS_WORKER_KEYS, forged)
     try:
         failed = dead_letter_list(client, settings)["jobs"]

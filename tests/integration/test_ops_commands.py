@@ -13,13 +13,14 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import psycopg
 import pytest
 from redis import Redis
 from redis.connection import Connection, ConnectionPool
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.typing import EncodableT, FieldT
 from rq import Queue
 from rq.job import Job, JobStatus
 from rq.registry import FailedJobRegistry
@@ -387,7 +388,7 @@ def test_a_job_rewritten_while_it_is_requeued_is_checked_again(
 
     def rewritten_after_read(redis: Redis, job_id: str) -> Any:
         read = read_job(redis, job_id)
-        redis_conn.hset(job.key, mapping=fields)
+        redis_conn.hset(job.key, mapping=cast(dict[FieldT, EncodableT], fields))
         return read
 
     monkeypatch.setattr(operations, "_read_job", rewritten_after_read)
