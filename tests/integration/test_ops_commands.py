@@ -226,7 +226,8 @@ def dying_client(url: str, crash: Crash) -> Redis:
                 crash.dead = True
             if crash.dead:
                 raise RedisConnectionError("the process died")
-            super().send_packed_command(command, check_health)
+            # Unannotated in redis-py; untyped_calls_exclude matches no call through super().
+            super().send_packed_command(command, check_health)  # type: ignore[no-untyped-call]
             crash.dead = crash.sent == crash.at
             crash.sent += 1
 
