@@ -340,7 +340,7 @@ def test_a_dead_letter_with_odd_fields_is_requeued_and_stops_no_other(
         for name in [*ODD_FIELDS, "plain"]
     }
     for name, fields in ODD_FIELDS.items():
-        redis_conn.hset(jobs[name].key, mapping=fields)  # type: ignore[arg-type]
+        redis_conn.hset(jobs[name].key, mapping=cast(dict[FieldT, EncodableT], fields))
 
     status, text = run(settings, "dlq", "requeue", "--all")
     answer = json.loads(text)
@@ -433,7 +433,7 @@ def test_an_unreadable_job_in_the_dead_letter_queue_stops_nothing(
     )
     registry = FailedJobRegistry(queue=queue)
     damaged = redis_conn.hgetall(good.key) | {b"created_at": b"not a date"}
-    redis_conn.hset("rq:job:bad-date", mapping=damaged)  # type: ignore[arg-type]
+    redis_conn.hset("rq:job:bad-date", mapping=cast(dict[FieldT, EncodableT], damaged))
     redis_conn.zadd(registry.key, {"bad-date": time.time() + 86400})
 
     status, text = run(settings, "dlq", "list")
