@@ -200,7 +200,8 @@ def find_meters(settings: Settings, redis_pid: int | None) -> Meters:
 
 
 def _direct(
-    args: tuple[Settings, Endpoint, list[Envelope]], spans: multiprocessing.SimpleQueue[Any]
+    args: tuple[Settings, Endpoint, list[Envelope]],
+    spans: multiprocessing.SimpleQueue[tuple[float, float]],
 ) -> None:
     settings, endpoint, envelopes = args
     gateway = get_gateway("standard")
@@ -224,7 +225,7 @@ def run_direct(
     finished, so start-up (imports, connecting) is not counted.
     """
     context = multiprocessing.get_context("spawn")
-    spans: multiprocessing.SimpleQueue[Any] = context.SimpleQueue()
+    spans: multiprocessing.SimpleQueue[tuple[float, float]] = context.SimpleQueue()
     procs = [
         context.Process(target=_direct, args=((settings, endpoint, envelopes[i::workers]), spans))
         for i in range(workers)

@@ -49,6 +49,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import psycopg
 from psycopg import sql
@@ -112,7 +113,7 @@ def signed_requests(secret: str, count: int) -> list[tuple[bytes, dict[str, str]
     timestamp = int(time.time())
     for i in range(count):
         event_id = f"msg_{uuid.uuid4().hex}"
-        payload = {
+        payload: dict[str, Any] = {
             "type": "payment.succeeded",
             "timestamp": "2026-11-30T00:00:00+00:00",
             "data": {
@@ -126,7 +127,7 @@ def signed_requests(secret: str, count: int) -> list[tuple[bytes, dict[str, str]
         }
         # Line items with ids until the body is BODY_SIZE bytes: as varied (and as
         # hard to compress) as a real event, unlike padding.
-        lines: list[dict[str, object]] = payload["data"]["lines"]  # type: ignore[index]
+        lines: list[dict[str, object]] = payload["data"]["lines"]
         while len(body := json.dumps(payload).encode()) < BODY_SIZE - 30:
             n = len(lines)
             lines.append({"sku": uuid.uuid4().hex[:12], "qty": n % 3 + 1, "price": 250 + n * 7})

@@ -251,7 +251,7 @@ def oldest_waiting(queue: Queue) -> float:
     down) waits from its retry time: the consumers' schedulers move it onto
     the queue within a second of it, so one overdue means no consumer runs.
     """
-    overdue = _oldest_overdue(ScheduledJobRegistry(queue=queue))  # type: ignore[no-untyped-call]
+    overdue = _oldest_overdue(ScheduledJobRegistry(queue=queue))
     return max(_oldest_queued(queue), overdue)
 
 

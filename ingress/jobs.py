@@ -290,7 +290,7 @@ def as_read(commands: Sequence[Command]) -> list[list[Any]]:
     return [
         [
             # RQ's serializer is unannotated; it returns the call as a list.
-            JSONSerializer.loads(zlib.decompress(arg))  # type: ignore[no-untyped-call]
+            JSONSerializer.loads(zlib.decompress(arg))
             if _is_hash_value(command, i) and command[i - 1] == DATA_FIELD
             else arg
             for i, arg in enumerate(command)

@@ -160,7 +160,7 @@ class Factory:
     def count(self, table: str, **where: Any) -> int:
         clause = " AND ".join(f"{k} = %({k})s" for k in where) or "true"
         row = self.conn.execute(
-            f"SELECT count(*) AS n FROM payhook.{table} WHERE {clause}",  # type: ignore[arg-type]
+            f"SELECT count(*) AS n FROM payhook.{table} WHERE {clause}",
             where,
         ).fetchone()
         assert row is not None

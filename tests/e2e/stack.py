@@ -307,7 +307,7 @@ class Stack:
 
     def count(self, sql: str, params: dict[str, Any] | None = None) -> int:
         with self.db() as conn:
-            row = conn.execute(sql, params or {}).fetchone()  # type: ignore[arg-type]
+            row = conn.execute(sql, params or {}).fetchone()
             assert row is not None
             return int(next(iter(row.values())))
 

@@ -13,6 +13,7 @@ import uuid
 import zlib
 from collections import Counter
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 from redis import Redis
@@ -64,7 +65,7 @@ def retried_by_a_survivor(
         )
     finally:
         stop(survivor)
-    return str(fetch(redis_conn, job_id).return_value()["outcome"])
+    return str(cast(dict[str, Any], fetch(redis_conn, job_id).return_value())["outcome"])
 
 
 @pytest.mark.slow
@@ -85,7 +86,9 @@ def test_twenty_jobs_of_one_event_drained_by_three_workers_apply_once(
     ]
     codes = [w.wait(timeout=60) for w in workers]
     assert codes == [0, 0, 0], [p.read_text()[-2000:] for p in tmp_path.glob("*.log")]
-    outcomes = Counter(fetch(redis_conn, j).return_value()["outcome"] for j in jobs)
+    outcomes = Counter(
+        cast(dict[str, Any], fetch(redis_conn, j).return_value())["outcome"] for j in jobs
+    )
     assert outcomes == {"applied": 1, "duplicate": 19}
     assert factory.count("payment_event_receipts") == 1
     assert factory.count("payment_order_transitions", order_id=order_id) == 1
@@ -175,7 +178,7 @@ def test_a_finished_job_and_its_result_leave_redis_after_the_result_ttl(
     )
     worker = start(["consumer", "--burst"], process_env(settings), tmp_path / "w.log")
     assert worker.wait(timeout=60) == 0
-    assert fetch(redis_conn, job.id).return_value()["outcome"] == "applied"
+    assert cast(dict[str, Any], fetch(redis_conn, job.id).return_value())["outcome"] == "applied"
     keys = [job.key, *redis_conn.keys(f"rq:results:{job.id}")]
     assert len(keys) == 2
     for key in keys:
@@ -192,7 +195,9 @@ def test_job_naming_a_foreign_function_is_refused(
     assert worker.wait(timeout=60) == 0
     assert not marker.exists()
     assert job.id in FailedJobRegistry(queue=queue).get_job_ids()
-    assert "ForbiddenJob" in (fetch(redis_conn, job.id).latest_result().exc_string or "")
+    result = fetch(redis_conn, job.id).latest_result()
+    assert result is not None
+    assert "ForbiddenJob" in (result.exc_string or "")
 
 
 def test_a_job_carrying_webhooks_or_an_odd_function_name_is_refused_and_sends_nothing(
@@ -210,12 +215,12 @@ def test_a_job_carrying_webhooks_or_an_odd_function_name_is_refused_and_sends_no
     signed = factory.standard_envelope(shop, StandardEvent(type="customer.created")).to_json()
     queue = events_queue(redis_conn, settings)
     hooks = [
-        Webhook(f"http://127.0.0.1:{port}/{status}", status, timeout=10**6)  # type: ignore[arg-type]
+        Webhook(f"http://127.0.0.1:{port}/{status}", status, timeout=10**6)
         for status in ("finished", "failed")
     ]
     hooked = queue.enqueue(APPLY_EVENT, signed, webhooks=hooks, retry=Retry(max=3))
     odd = queue.enqueue(APPLY_EVENT, signed, retry=Retry(max=3))
-    data = json.loads(zlib.decompress(redis_conn.hget(odd.key, "data")))
+    data = json.loads(zlib.decompress(cast(bytes, redis_conn.hget(odd.key, "data"))))
     data[0] = [APPLY_EVENT]
     redis_conn.hset(odd.key, "data", zlib.compress(json.dumps(data).encode()))
 
@@ -232,7 +237,9 @@ def test_a_job_carrying_webhooks_or_an_odd_function_name_is_refused_and_sends_no
         assert job.id in failed
         refused = fetch(redis_conn, job.id)
         assert refused.retries_left == 0
-        assert reason in (refused.latest_result().exc_string or ""), reason
+        result = refused.latest_result()
+        assert result is not None
+        assert reason in (result.exc_string or ""), reason
     assert factory.count("payment_event_receipts") == 0
 
 
@@ -260,7 +267,9 @@ def test_job_the_consumer_refuses_stays_in_the_dead_letter_queue_unretried(
     assert job.id in FailedJobRegistry(queue=queue).get_job_ids()
     failed = fetch(redis_conn, job.id)
     assert failed.retries_left == 0
-    assert f"RefusedJob: {kind}" in (failed.latest_result().exc_string or "")
+    result = failed.latest_result()
+    assert result is not None
+    assert f"RefusedJob: {kind}" in (result.exc_string or "")
     assert failed.args[0] == data, "the raw envelope is kept"
     assert factory.count("security_anomalies", kind=kind) == 1
     assert factory.count("security_anomalies") == 1

@@ -134,8 +134,8 @@ def test_an_operator_requeues_a_dead_letter_job_in_the_browser_and_it_is_applied
             lambda b: b.find_element(By.CSS_SELECTOR, f"{row} [data-role=requeue-job-btn]")
         )
         # The failure as RQ keeps it: the class and SQLSTATE, never the error's text.
-        shown = browser.find_element(By.CSS_SELECTOR, row).text
-        assert "InsufficientPrivilege, SQLSTATE 42501" in shown
+        failure = browser.find_element(By.CSS_SELECTOR, row).text
+        assert "InsufficientPrivilege, SQLSTATE 42501" in failure
         assert browser.get_screenshot_as_png().startswith(b"\x89PNG")
         if SCREENSHOT:
             assert browser.save_screenshot(SCREENSHOT)

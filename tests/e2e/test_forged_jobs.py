@@ -6,12 +6,14 @@ import os
 import uuid
 import zlib
 from pathlib import Path
+from typing import cast
 
 import pytest
 from hypothesis import HealthCheck, given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 from redis import Redis
+from redis.typing import EncodableT, FieldT
 from rq.job import JobStatus
 
 from payhook import quarantine
@@ -126,7 +128,7 @@ def test_a_worker_drains_valid_jobs_behind_any_forged_job_hash(
         template = factory.standard_envelope(shop, StandardEvent(type="payment.noted"))
         job = enqueue_event(queue, template, settings)
         redis_conn.lrem(queue.key, 0, job.id)
-        fields = redis_conn.hgetall(job.key)
+        fields = cast(dict[FieldT, EncodableT], redis_conn.hgetall(job.key))
         redis_conn.delete(job.key)
         redis_conn.delete(b"rq:job:" + raw_id)
         redis_conn.hset(b"rq:job:" + raw_id, mapping=fields | forgery)

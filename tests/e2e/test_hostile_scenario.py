@@ -19,10 +19,12 @@ import uuid
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import cast
 
 import httpx
 import pytest
 from redis import Redis
+from redis.typing import EncodableT, FieldT
 from rq.registry import FailedJobRegistry
 
 from control import admin
@@ -83,7 +85,7 @@ def odd_events() -> list[tuple[StandardEvent, bytes | None]]:
 def forge_jobs(redis: Redis, settings: Settings, template: bytes) -> list[bytes]:
     """Job hashes written straight into Redis, each on the events queue."""
     queue = events_queue(redis, settings)
-    fields = redis.hgetall(b"rq:job:" + template)
+    fields = cast(dict[FieldT, EncodableT], redis.hgetall(b"rq:job:" + template))
     forgeries: dict[bytes, dict[bytes, bytes]] = {
         str(uuid.uuid4()).encode(): {b"status": b"exploded"},
         str(uuid.uuid4()).encode(): {b"created_at": b"yesterday"},
@@ -246,7 +248,7 @@ def press_every_action(
 
 def _a_job_id(redis: Redis) -> bytes:
     """The id of an event job whose hash the forgeries copy."""
-    keys = redis.keys(b"rq:job:*")
+    keys = cast(list[bytes], redis.keys(b"rq:job:*"))
     assert keys, "no job to copy"
     return sorted(keys)[0].removeprefix(b"rq:job:")
 

@@ -17,6 +17,7 @@ import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 from urllib.parse import urlsplit, urlunsplit
 
 import httpx
@@ -281,7 +282,9 @@ def test_redis_stopped_answers_503_and_recovers_without_a_restart(
         assert ingress.proc.poll() is None
 
         # Nothing half-written: exactly the two accepted jobs, each whole and queued.
-        queued = {i.decode() for i in redis.lrange(f"rq:queue:{settings.queue}", 0, -1)}
+        queued = {
+            i.decode() for i in cast(list[bytes], redis.lrange(f"rq:queue:{settings.queue}", 0, -1))
+        }
         accepted = {before.json()["delivery_id"], after.json()["delivery_id"]}
         keys = {k.decode().removeprefix("rq:job:") for k in redis.scan_iter("rq:job:*")}
         assert queued <= keys

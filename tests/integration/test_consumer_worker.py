@@ -16,6 +16,7 @@ from rq.registry import StartedJobRegistry
 from rq.serializers import JSONSerializer
 
 from consumer import applier as applier_module
+from consumer import handler as handler_module
 from consumer import jobs
 from consumer.applier import Applier
 from consumer.handler import Runtime
@@ -96,7 +97,7 @@ def test_the_event_is_applied_on_the_applier_thread(
     queue = events_queue(redis_conn, settings)
     enqueue_event(queue, factory.standard_envelope(shop, StandardEvent()), settings)
     threads = []
-    handle = applier_module.handle
+    handle = handler_module.handle
 
     def spy(runtime: Runtime, envelope: Any) -> Any:
         threads.append(threading.current_thread().name)

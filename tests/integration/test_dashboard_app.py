@@ -9,12 +9,14 @@ import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
+from flask import Response
 from flask.testing import FlaskClient
 from prometheus_client.parser import text_string_to_metric_families
 from redis import Redis
+from redis.typing import EncodableT, FieldT
 from rq import Queue, Worker
 from rq.job import Job
 from rq.registry import FailedJobRegistry
@@ -218,6 +220,7 @@ def test_every_view_that_could_move_jobs_is_payhooks_own_or_refused(
     for endpoint in REFUSED:
         with app.test_request_context(method="POST", headers=AUTH):
             answer = app.view_functions[endpoint](job_id="x", queue_name="q", registry_name="r")
+        assert isinstance(answer, Response)
         assert answer.status_code == 403, endpoint
 
 
@@ -304,7 +307,7 @@ def test_one_unreadable_job_hides_no_other_in_the_dead_letter_list(
     redis_conn.xadd(f"rq:results:{damaged_result.id}", {"type": "2", "exc_string": "bm90IHpsaWI="})
     registry = FailedJobRegistry(queue=events_queue(redis_conn, settings))
     unreadable = redis_conn.hgetall(good.key) | {b"created_at": b"not a date"}
-    redis_conn.hset("rq:job:bad-date", mapping=unreadable)  # type: ignore[arg-type]
+    redis_conn.hset("rq:job:bad-date", mapping=cast(dict[FieldT, EncodableT], unreadable))
     redis_conn.zadd(registry.key, {"bad-date": time.time() + 86400})
 
     listed = {job["id"]: job for job in dead_letter_list(client, settings)["jobs"]}
@@ -383,16 +386,20 @@ def test_no_forged_id_or_name_reaches_the_pages_as_html(
     redis_conn.zadd(registry.key, {MARKUP: time.time() + 86400})
     redis_conn.rpush(queue.key, MARKUP)
     # a job hash RQ reads, under an id RQ would never give
-    redis_conn.hset(Job.key_for(MARKUP), mapping=redis_conn.hgetall(good.key))  # type: ignore[arg-type]
+    good_hash = cast(dict[FieldT, EncodableT], redis_conn.hgetall(good.key))
+    redis_conn.hset(Job.key_for(MARKUP), mapping=good_hash)
     # a job RQ cannot read, but whose creation time is readable
-    unreadable = redis_conn.hgetall(good.key) | {b"status": b"no such status"}
-    redis_conn.hset("rq:job:bad-status", mapping=unreadable)  # type: ignore[arg-type]
+    unreadable_hash = redis_conn.hgetall(good.key) | {b"status": b"no such status"}
+    redis_conn.hset("rq:job:bad-status", mapping=cast(dict[FieldT, EncodableT], unreadable_hash))
     redis_conn.zadd(registry.key, {"bad-status": time.time() + 86400})
     worker = Worker([queue], connection=redis_conn, serializer=JSONSerializer)
     worker.register_birth()
     forged = f"{Worker.redis_worker_namespace_prefix}{MARKUP}"
-    fields = {b"version": MARKUP.encode(), b"python_version": MARKUP.encode()}
-    redis_conn.hset(forged, mapping=redis_conn.hgetall(worker.key) | fields)  # type: ignore[arg-type]
+    fields: dict[FieldT, EncodableT] = {
+        b"version": MARKUP.encode(),
+        b"python_version": MARKUP.encode(),
+    }
+    redis_conn.hset(forged, mapping=redis_conn.hgetall(worker.key) | fields)
     redis_conn.sadd(REDIS_WORKER_KEYS, forged)
     try:
         failed = dead_letter_list(client, settings)["jobs"]
@@ -583,7 +590,7 @@ def test_the_job_page_escapes_every_field_and_shows_an_unreadable_job(
     assert data["created_at"] and data["ended_at"]
 
     damaged = redis_conn.hgetall(job.key) | {b"status": b"no such status"}
-    redis_conn.hset("rq:job:damaged", mapping=damaged)  # type: ignore[arg-type]
+    redis_conn.hset("rq:job:damaged", mapping=cast(dict[FieldT, EncodableT], damaged))
     unreadable = client.get("/0/data/job/damaged.json", headers=AUTH)
     assert unreadable.status_code == 200
     assert unreadable.get_json()["description"].startswith("unreadable job: ")

@@ -12,6 +12,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import AsyncExitStack, contextmanager
 from datetime import UTC, datetime
+from typing import cast
 
 import httpx
 import pytest
@@ -59,11 +60,12 @@ class Harness:
         return ingress
 
     async def post(self, endpoint_id: str, body: bytes, headers: Mapping[str, str | bytes]) -> int:
-        response = await self.client.post(f"/webhooks/{endpoint_id}", content=body, headers=headers)
+        # httpx takes str and bytes values in one mapping; its annotation wants one kind.
+        response = await self.client.post(f"/webhooks/{endpoint_id}", content=body, headers=headers)  # type: ignore[arg-type]
         return response.status_code
 
     def queued(self) -> list[bytes]:
-        return self.redis.lrange(f"rq:queue:{self.settings.queue}", 0, -1)
+        return cast(list[bytes], self.redis.lrange(f"rq:queue:{self.settings.queue}", 0, -1))
 
     def job_keys(self) -> list[bytes]:
         return list(self.redis.scan_iter("rq:job:*"))

@@ -14,7 +14,7 @@ import zlib
 from collections.abc import AsyncIterable, AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import psycopg
@@ -65,7 +65,7 @@ class Harness:
         return await self.client.post(f"/webhooks/{endpoint_id}", content=body, headers=headers)
 
     def jobs(self) -> list[Job]:
-        ids = self.redis.lrange(f"rq:queue:{self.settings.queue}", 0, -1)
+        ids = cast(list[bytes], self.redis.lrange(f"rq:queue:{self.settings.queue}", 0, -1))
         return [Job.fetch(i.decode(), self.redis, serializer=JSONSerializer) for i in ids]
 
 
@@ -100,11 +100,12 @@ def drain(settings: Settings) -> list[dict[str, Any]]:
     pool.open(wait=True)
     redis = Redis.from_url(settings.redis_url)
     try:
-        ids = [i.decode() for i in redis.lrange(f"rq:queue:{settings.queue}", 0, -1)]
+        queued = cast(list[bytes], redis.lrange(f"rq:queue:{settings.queue}", 0, -1))
+        ids = [i.decode() for i in queued]
         worker = build_worker(settings, Runtime(settings=settings, pool=pool))
         worker.work(burst=True, with_scheduler=False, logging_level="WARNING")
         jobs = [Job.fetch(i, redis, serializer=JSONSerializer) for i in ids]
-        return [job.return_value() for job in jobs]
+        return [cast(dict[str, Any], job.return_value()) for job in jobs]
     finally:
         pool.close()
         redis.close()
@@ -189,8 +190,10 @@ async def test_job_in_redis_is_the_one_enqueue_event_writes(
     )
     enqueue_event(events_queue(harness.redis, harness.settings), twin, harness.settings)
 
-    ingress_hash = harness.redis.hgetall(f"rq:job:{response.json()['delivery_id']}")
-    rq_hash = harness.redis.hgetall(f"rq:job:{twin.delivery_id}")
+    ingress_hash = cast(
+        dict[bytes, bytes], harness.redis.hgetall(f"rq:job:{response.json()['delivery_id']}")
+    )
+    rq_hash = cast(dict[bytes, bytes], harness.redis.hgetall(f"rq:job:{twin.delivery_id}"))
     assert set(ingress_hash) == set(rq_hash)
     differing = {k for k in rq_hash if rq_hash[k] != ingress_hash[k]}
     assert differing <= {b"created_at", b"enqueued_at", b"description", b"data"}

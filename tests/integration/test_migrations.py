@@ -94,8 +94,8 @@ def test_every_named_query_prepares(conn: psycopg.Connection[Row]) -> None:
     for name, text in all_queries().items():
         if not text.lstrip().upper().startswith(PREPARABLE):
             continue
-        conn.execute(f"PREPARE q_{name} AS {positional(text)}")  # type: ignore[arg-type]
-        conn.execute(f"DEALLOCATE q_{name}")  # type: ignore[arg-type]
+        conn.execute(f"PREPARE q_{name} AS {positional(text)}")
+        conn.execute(f"DEALLOCATE q_{name}")
         prepared += 1
     assert prepared >= 10
 

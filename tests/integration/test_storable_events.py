@@ -152,7 +152,7 @@ def stored_text(factory: Factory) -> str:
     """Every receipt, exception and anomaly row, as text."""
     rows = []
     for table in ("payment_event_receipts", "payment_exceptions", "security_anomalies"):
-        rows += factory.conn.execute(f"SELECT * FROM payhook.{table}").fetchall()  # type: ignore[arg-type]
+        rows += factory.conn.execute(f"SELECT * FROM payhook.{table}").fetchall()
     return json.dumps(rows, default=str)
 
 

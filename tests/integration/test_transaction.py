@@ -24,12 +24,12 @@ from payhook.endpoints import Endpoint
 from payhook.envelope import ENVELOPE_VERSION, NewerEnvelope
 from payhook.gateways import get_gateway
 from payhook.settings import Settings
-from tests.factories import Factory, StandardEvent, envelope, stripe_body, stripe_headers
+from tests.factories import Factory, Shop, StandardEvent, envelope, stripe_body, stripe_headers
 from tests.locks import released_after
 from tests.protocol import protocol_trace, sent
 
 
-def apply(runtime: Runtime, factory: Factory, shop, event: StandardEvent) -> str:
+def apply(runtime: Runtime, factory: Factory, shop: Shop, event: StandardEvent) -> str:
     return handle(runtime, factory.standard_envelope(shop, event).to_json()).outcome
 
 

@@ -7,6 +7,7 @@ import shutil
 import threading
 import time
 import uuid
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -396,7 +397,7 @@ def test_blocked_ddl_is_tried_again_until_the_lock_is_free(
         reader.execute("SELECT count(*) FROM payhook.payment_exceptions")
         runner = threading.Thread(target=migrate)
         runner.start()
-        waits = set()
+        waits: set[datetime] = set()
         deadline = time.monotonic() + 30
         while len(waits) < 2 and time.monotonic() < deadline:
             row = conn.execute(
@@ -434,7 +435,7 @@ def test_a_database_without_the_report_refuses_conflicts_as_unclassified(
         assert apply_migrations(settings, tmp_path) == ["0002_index.sql"]
     finally:
         with psycopg.connect(f"{PG_SERVER}/postgres", autocommit=True) as admin:
-            admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")  # type: ignore[arg-type]
+            admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
 
 def test_uniqueness_commands_check_then_resolve(

@@ -43,7 +43,7 @@ def wait_for(conn: psycopg.Connection[Row], condition: str, timeout: float = 20)
             sql.SQL(
                 "SELECT pid, query FROM pg_stat_activity WHERE datname = current_database()"
                 " AND application_name = 'payhook-migrate' AND {}"
-            ).format(sql.SQL(condition))  # type: ignore[arg-type]
+            ).format(sql.SQL(condition))
         ).fetchone()
         if row is not None:
             return row

@@ -8,7 +8,7 @@ import threading
 import time
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 
 import httpx
@@ -60,8 +60,8 @@ def make_claim(url: str | None = "https://shop.example/fulfil", **changes: objec
     return Claim(**(fields | changes))  # type: ignore[arg-type]
 
 
-def client(handler: object) -> httpx.Client:
-    return httpx.Client(transport=httpx.MockTransport(handler))  # type: ignore[arg-type]
+def client(handler: Callable[[httpx.Request], httpx.Response]) -> httpx.Client:
+    return httpx.Client(transport=httpx.MockTransport(handler))
 
 
 @pytest.mark.parametrize("status", [200, 201, 202, 204, 299])

@@ -140,6 +140,7 @@ def test_every_unique_rule_an_alter_table_adds_is_read_or_listed_as_unchecked() 
     ]
     unchecked = rules[3:]
     assert [type(r) for r in unchecked] == [UncheckableRule] * 3
+    assert isinstance(unchecked[0], UncheckableRule)
     assert "ADD COLUMN c text UNIQUE" in unchecked[0].reason
     assert [r.name for r in unchecked[1:]] == ["three", 'payhook."U"']
 
