@@ -34,7 +34,7 @@ PING = b"*1\r\n$4\r\nPING\r\n"
 def test_redis_async_connection_writes_through_its_stream_writer(redis_conn: Redis) -> None:
     async def ping_through_the_writer() -> None:
         connection = ConnectionPool.from_url(REDIS_TEST_URL).make_connection()
-        await connection.connect()  # type: ignore[no-untyped-call]
+        await connection.connect()
         try:
             writer = compat.writer_of(connection)
             assert isinstance(writer, asyncio.StreamWriter), changed(
@@ -62,10 +62,10 @@ def test_rq_worker_stopped_while_its_state_says_busy_waits_for_the_job(redis_con
         assert worker.get_state() == WorkerStatus.BUSY, changed("rq", "the worker's `_state`")
         assert redis_conn.hget(worker.key, "state") is None, "set_worker_state wrote to Redis"
         # Busy: RQ notes the request and lets the job finish.
-        worker.request_stop(signal.SIGTERM, None)
+        worker.request_stop(signal.SIGTERM, None)  # type: ignore[no-untyped-call]
         compat.set_worker_state(worker, WorkerStatus.IDLE)
         with pytest.raises(StopRequested):
-            worker.request_stop(signal.SIGTERM, None)
+            worker.request_stop(signal.SIGTERM, None)  # type: ignore[no-untyped-call]
     finally:
         for signum, handler in handlers.items():
             signal.signal(signum, handler)

@@ -10,8 +10,9 @@ import psycopg
 import pytest
 
 from consumer.replay import PARKED_LOCK_TIMEOUT, NotReplayable, replay_exception
-from consumer.transaction import Applied, Endpoint, apply_event
+from consumer.transaction import Applied, apply_event
 from payhook.db import Row, connect
+from payhook.endpoints import Endpoint
 from payhook.errors import NotFound
 from payhook.gateways import get_gateway
 from payhook.queries import all_queries
@@ -58,7 +59,7 @@ def snapshot(factory: Factory) -> dict[str, list[Any]]:
     rows: dict[str, list[Any]] = {}
     for table in TABLES:
         found = factory.conn.execute(
-            f"SELECT to_jsonb(t) AS r FROM payhook.{table} AS t",  # type: ignore[arg-type]
+            f"SELECT to_jsonb(t) AS r FROM payhook.{table} AS t",
         ).fetchall()
         rows[table] = sorted((r["r"] for r in found), key=repr)
     return rows
@@ -116,10 +117,10 @@ def test_a_dry_run_holds_the_replays_locks_until_its_transaction_ends(
             replay_exception(conn, exception_id, dry_run=True)
             for select, key in rows:
                 with pytest.raises(psycopg.errors.LockNotAvailable), other.transaction():
-                    other.execute(f"{select} FOR UPDATE NOWAIT", (key,))  # type: ignore[arg-type]
+                    other.execute(f"{select} FOR UPDATE NOWAIT", (key,))
         with other.transaction():
             for select, key in rows:
-                other.execute(f"{select} FOR UPDATE NOWAIT", (key,))  # type: ignore[arg-type]
+                other.execute(f"{select} FOR UPDATE NOWAIT", (key,))
     assert factory.order_state(shop, order_id) == "pending"
 
 

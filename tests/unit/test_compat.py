@@ -15,7 +15,7 @@ import warnings
 from collections.abc import Iterator
 from importlib.metadata import version
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpcore
 import httpx
@@ -24,8 +24,9 @@ from flask import Flask
 from redis import Redis
 from redis.asyncio.connection import Connection
 from rq import Queue
+from rq.callbacks import Callback
 from rq.exceptions import DeserializationError
-from rq.job import Callback, Job
+from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from payhook import compat
@@ -165,7 +166,10 @@ def test_rq_job_with_data_hook_is_told_of_unreadable_data(read: str) -> None:
 
 
 def test_rq_job_with_data_hook_is_not_told_of_readable_data() -> None:
-    job = Told.create("os.getcwd", args=[1], connection=offline_redis(), serializer=JSONSerializer)
+    job = cast(
+        Told,
+        Told.create("os.getcwd", args=[1], connection=offline_redis(), serializer=JSONSerializer),
+    )
     job.data = job.data  # forget what was read, as a fetched job has
     assert (job.func_name, job.args, job.told) == ("os.getcwd", [1], 0), changed(
         "rq", "how a job reads its data (`_deserialize_data`)"
@@ -386,7 +390,7 @@ def declared(node: ast.ClassDef) -> set[str]:
     return names
 
 
-def annotations(tree: ast.Module) -> Iterator[ast.expr]:
+def annotation_nodes(tree: ast.Module) -> Iterator[ast.expr]:
     for node in ast.walk(tree):
         if isinstance(node, ast.arg | ast.AnnAssign) and node.annotation is not None:
             yield node.annotation
@@ -409,7 +413,7 @@ def touches(source: str, filename: str, namespace: dict[str, Any]) -> list[str]:
     # Annotations are never run (`from __future__ import annotations`), and
     # mypy checks them against each upgrade: a private type there may stay.
     in_annotations = {
-        id(inner) for annotation in annotations(tree) for inner in ast.walk(annotation)
+        id(inner) for annotation in annotation_nodes(tree) for inner in ast.walk(annotation)
     }
 
     def note(node: ast.AST, what: str) -> None:
@@ -443,6 +447,7 @@ def touches(source: str, filename: str, namespace: dict[str, Any]) -> list[str]:
 
     for node in class_nodes(tree):
         klass = namespace.get(node.name)
+        theirs: list[Any]
         if isinstance(klass, type):
             theirs = [
                 base for base in klass.__mro__[1:] if not is_ours(base) and base is not object
@@ -456,18 +461,18 @@ def touches(source: str, filename: str, namespace: dict[str, Any]) -> list[str]:
                 declared(node),
             )
         else:  # defined inside a function: judged by its body alone
-            theirs = [base for base in node.bases if not ast.unparse(base) == "object"]
+            theirs = [b for b in node.bases if not ast.unparse(b) == "object"]
             own = declared(node)
         if not theirs:
             continue
-        for name in sorted(declared(node)):
+        for member in sorted(declared(node)):
             owners = [
                 base.__qualname__
                 for base in theirs
-                if isinstance(base, type) and name in vars(base)
+                if isinstance(base, type) and member in vars(base)
             ]
-            if is_private(name) and owners:
-                note(node, f"{node.name} overrides {owners[0]}.{name}")
+            if is_private(member) and owners:
+                note(node, f"{node.name} overrides {owners[0]}.{member}")
         for inner in ast.walk(node):
             if (
                 isinstance(inner, ast.Attribute)

@@ -34,9 +34,9 @@ class Sender:
         return {"type": "http.request", "body": b"x" * self.size, "more_body": more}
 
 
-def scope(headers: dict[str, str] | None = None, **extensions: dict[str, Any]) -> Scope:
+def scope(headers: dict[str, str] | None = None, extensions: dict[str, Any] | None = None) -> Scope:
     raw = [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
-    return {"type": "http", "method": "POST", "headers": raw, "extensions": extensions}
+    return {"type": "http", "method": "POST", "headers": raw, "extensions": extensions or {}}
 
 
 def test_endless_stream_is_abandoned_at_the_first_chunk_over_the_limit() -> None:
@@ -102,7 +102,7 @@ def test_the_servers_deadline_for_the_whole_request_comes_first() -> None:
 
     async def read() -> bytes:
         deadline = asyncio.get_running_loop().time() + 0.05
-        given = scope(**{READ_DEADLINE: {"at": deadline, "complete": False}})
+        given = scope(extensions={READ_DEADLINE: {"at": deadline, "complete": False}})
         return await read_body(given, Sender(chunks=10, stall_after=1), CHUNK * 10, PATIENT)
 
     started = time.monotonic()
@@ -116,7 +116,7 @@ def test_a_body_the_server_holds_whole_is_read_without_a_deadline() -> None:
 
     async def read() -> bytes:
         past = asyncio.get_running_loop().time() - 1
-        given = scope(**{READ_DEADLINE: {"at": past, "complete": True}})
+        given = scope(extensions={READ_DEADLINE: {"at": past, "complete": True}})
         return await read_body(given, Sender(chunks=2), 2 * CHUNK, PATIENT)
 
     assert asyncio.run(read()) == b"x" * 2 * CHUNK

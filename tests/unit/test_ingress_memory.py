@@ -21,7 +21,7 @@ def test_the_threshold_is_set_under_glibc() -> None:
 
 
 def test_elsewhere_nothing_is_asked(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(memory.sys, "platform", "darwin")
+    monkeypatch.setattr(sys, "platform", "darwin")
     assert memory.map_large_blocks_apart() is False
 
 
