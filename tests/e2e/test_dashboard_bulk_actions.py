@@ -40,8 +40,8 @@ def poll(check: Callable[[], bool], timeout: float, what: str) -> None:
 def test_a_dashboard_killed_during_requeue_all_and_compact_loses_no_job(
     settings: Settings, redis_conn: Redis, factory: Factory, tmp_path: Path
 ) -> None:
-    """The operator presses "Requeue All" on a few hundred dead letters, then
-    "Compact" on a queue with a backlog, and the dashboard is killed while the
+    """The operator presses "Compact" on a queue with a backlog, then "Requeue
+    All" on a few hundred dead letters, and the dashboard is killed while the
     requeue runs: every job is still in the dead-letter queue or on the events
     queue, once, and nothing is left in a compaction list."""
     shop = factory.shop()
@@ -91,14 +91,16 @@ def test_a_dashboard_killed_during_requeue_all_and_compact_loses_no_job(
                     timeout=60,
                 )
 
-            requeue_all = press(f"/requeue/{settings.queue}")
-            poll(lambda: queue.count > WAITING, 30, "the first job to be requeued")
+            # Compact first, then requeue-all, killed as soon as its first
+            # job moved: the kill lands in the middle of it.
             compact = press(f"/queue/{settings.queue}/compact")
             poll(
                 lambda: compact.done() or bool(redis_conn.keys("rq:queue:_compact:*")),
                 30,
                 "compact to be answered or under way",
             )
+            requeue_all = press(f"/requeue/{settings.queue}")
+            poll(lambda: queue.count > WAITING, 30, "the first job to be requeued")
             stop(dashboard, signal.SIGKILL)
             with pytest.raises(httpx.HTTPError):
                 requeue_all.result()
