@@ -83,7 +83,7 @@ class AlertsUnavailable(PayhookError):
 
 
 @dataclass(frozen=True)
-class AlertConfig:
+class AlertSettings:
     """Windows and the read timeout in seconds."""
 
     window: float = DEFAULT_WINDOW
@@ -94,7 +94,7 @@ class AlertConfig:
     timeout: float = DEFAULT_TIMEOUT
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> AlertConfig:
+    def from_settings(cls, settings: Settings) -> AlertSettings:
         """Read the `PAYHOOK_ALERT_*` variables; a bad one raises `SettingsError` naming it."""
         extra = settings.extra
         window = _bounded(extra, "PAYHOOK_ALERT_WINDOW", DEFAULT_WINDOW)
@@ -149,7 +149,7 @@ class Signal:
 
 
 def read_signals(
-    conn: psycopg.Connection[Row], redis: Redis, settings: Settings, config: AlertConfig
+    conn: psycopg.Connection[Row], redis: Redis, settings: Settings, config: AlertSettings
 ) -> list[Signal]:
     """Every signal, now. `AlertsUnavailable` when PostgreSQL or Redis does not answer,
     or PostgreSQL not within `config.timeout` (a lock held on a table it reads)."""
@@ -325,7 +325,7 @@ def _duration(seconds: float) -> str:
 
 def check(settings: Settings, *, show_all: bool = False, out: TextIO = sys.stdout) -> int:
     """`payhook check`: one line per active alert; 1 when any is active, else 0."""
-    config = AlertConfig.from_settings(settings)
+    config = AlertSettings.from_settings(settings)
     redis = redis_connection(settings, timeout=10)
     try:
         with connect(settings, "check") as conn:

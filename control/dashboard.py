@@ -79,7 +79,7 @@ from rq.worker import BaseWorker
 from werkzeug.exceptions import HTTPException, MethodNotAllowed
 from werkzeug.serving import make_server
 
-from control.alerts import AlertCollector, AlertConfig, AlertsUnavailable, Signal, read_signals
+from control.alerts import AlertCollector, AlertSettings, AlertsUnavailable, Signal, read_signals
 from control.operations import (
     NotRequeueable,
     fetch_job,
@@ -170,14 +170,14 @@ REGISTRIES: dict[str, type[BaseRegistry]] = {
 
 
 @dataclass(frozen=True)
-class DashboardConfig:
+class DashboardSettings:
     host: str = DEFAULT_HOST
     port: int = DEFAULT_PORT
     user: str = DEFAULT_USER
     password: Secret | None = None
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> DashboardConfig:
+    def from_settings(cls, settings: Settings) -> DashboardSettings:
         extra = settings.extra
         port = DEFAULT_PORT
         if "PAYHOOK_DASHBOARD_PORT" in extra:
@@ -195,10 +195,10 @@ class DashboardConfig:
             password=Secret(password) if password else None,
         )
 
-    def bound(self, host: str | None, port: int | None) -> DashboardConfig:
+    def bound(self, host: str | None, port: int | None) -> DashboardSettings:
         """This config listening where the command line says; refused without a password
         off loopback."""
-        config = DashboardConfig(
+        config = DashboardSettings(
             host=host or self.host,
             port=self.port if port is None else port,
             user=self.user,
@@ -252,7 +252,7 @@ def create_app(settings: Settings, user: str, password: str) -> Flask:
     # rq-dashboard's views would connect anew on each request from the URL
     # above: they get payhook's connection, and the URL no credentials.
     give_rq_dashboard_connection(app, redis)
-    alert_config = AlertConfig.from_settings(settings)
+    alert_config = AlertSettings.from_settings(settings)
     # One read of the signals at a time: a scrape that waits for the one in
     # progress past the read timeout reports them unreadable, so scrapes
     # cannot pile up connections while PostgreSQL is slow or a table locked.
@@ -554,7 +554,7 @@ class _Stop(Exception):
 def run(settings: Settings, host: str | None = None, port: int | None = None) -> int:
     """Serve the dashboard until SIGTERM or SIGINT."""
     configure_logging(settings.log_level)
-    config = DashboardConfig.from_settings(settings).bound(host, port)
+    config = DashboardSettings.from_settings(settings).bound(host, port)
     check_schema(settings)
     password = str(config.password) if config.password else secrets.token_urlsafe(18)
     if config.password is None:

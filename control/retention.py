@@ -29,7 +29,7 @@ from typing import Any
 import psycopg
 import structlog
 
-from control.alerts import AlertConfig
+from control.alerts import AlertSettings
 from payhook.db import Row, connect, fetch_one
 from payhook.errors import SettingsError
 from payhook.horizon import describe
@@ -74,7 +74,7 @@ def retention_seconds(settings: Settings) -> dict[str, float]:
 def _check_anomaly_retention(settings: Settings) -> None:
     """An anomaly keeps its alert on for `PAYHOOK_ALERT_WINDOW`: deleting it
     sooner would silence the alert, so such a setting stops the run."""
-    window = AlertConfig.from_settings(settings).window
+    window = AlertSettings.from_settings(settings).window
     if settings.anomaly_retention < window:
         raise SettingsError(
             f"PAYHOOK_ANOMALY_RETENTION: {describe(settings.anomaly_retention)} is shorter than "

@@ -49,7 +49,7 @@ from redis import Redis
 from redis.exceptions import RedisError
 
 from control.admin import add_endpoint, add_order, add_tenant
-from control.dashboard import DashboardConfig
+from control.dashboard import DashboardSettings
 from control.migrations import migrate
 from payhook.compat import pgserver_holders_file, pgserver_lock
 from payhook.db import Row, connect, fetch_one
@@ -324,7 +324,7 @@ def run(
                 return 1
             stopping.check()
             raise PayhookError(f"the ingress was not ready within {READY_TIMEOUT:g}s")
-        user = DashboardConfig.from_settings(child_settings).user
+        user = DashboardSettings.from_settings(child_settings).user
         # A password of the operator's own is theirs to know: never printed.
         for line in banner(base, options, user, None if given else password, demo):
             out.say(line)

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from starlette.applications import Starlette
 from starlette.types import Receive, Scope, Send
 
-from ingress.config import IngressConfig
+from ingress.config import IngressSettings
 from ingress.endpoints import EndpointCache, Loader, PostgresEndpoints, Refresher
 from ingress.enqueue import Enqueuer
 from ingress.metrics import Metrics
@@ -27,7 +27,7 @@ class Ingress:
 
     def __init__(self, settings: Settings, load_endpoints: Loader | None = None) -> None:
         self.settings = settings
-        self.config = IngressConfig.from_settings(settings)
+        self.config = IngressSettings.from_settings(settings)
         self.retry_after = ((b"retry-after", str(self.config.retry_after).encode()),)
         self.metrics = Metrics()
         self.cache = EndpointCache()

@@ -33,7 +33,7 @@ KEEP_ALIVE_RANGE = (1.0, 3600.0)
 
 
 @dataclass(frozen=True)
-class IngressConfig:
+class IngressSettings:
     #: Seconds a 503 asks the sender to wait (`Retry-After`).
     retry_after: int = DEFAULT_RETRY_AFTER
     #: Seconds a request may take to arrive whole, head and body, from the
@@ -45,7 +45,7 @@ class IngressConfig:
     keep_alive: int = DEFAULT_KEEP_ALIVE
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> IngressConfig:
+    def from_settings(cls, settings: Settings) -> IngressSettings:
         values: dict[str, Any] = {}
         raw = settings.get("PAYHOOK_INGRESS_RETRY_AFTER")
         if raw is not None:

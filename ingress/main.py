@@ -9,7 +9,7 @@ import uvicorn
 from starlette.applications import Starlette
 
 from ingress.app import create_app
-from ingress.config import IngressConfig
+from ingress.config import IngressSettings
 from ingress.memory import map_large_blocks_apart
 from ingress.protocol import http_protocol
 from payhook.errors import SettingsError
@@ -40,7 +40,7 @@ def app_from_env() -> Starlette:
 
 def run(settings: Settings, host: str, port: int, workers: int = 1) -> int:
     """Serve until stopped; settings are checked here so a bad one fails before binding."""
-    config = IngressConfig.from_settings(settings)
+    config = IngressSettings.from_settings(settings)
     if workers < 1:
         raise SettingsError(f"--workers: expected a number above zero, got {workers}")
     if not 0 <= port <= 65535:

@@ -40,7 +40,7 @@ DEFAULT_BACKOFF_MAX = 3600.0
 
 
 @dataclass(frozen=True)
-class OutboxConfig:
+class OutboxSettings:
     """How the worker claims, delivers and retries; durations in seconds."""
 
     lease: float = DEFAULT_LEASE
@@ -68,7 +68,7 @@ class OutboxConfig:
             )
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> OutboxConfig:
+    def from_settings(cls, settings: Settings) -> OutboxSettings:
         """Read the `PAYHOOK_OUTBOX_*` variables; a bad one raises `SettingsError` naming it."""
         extra = settings.extra
 

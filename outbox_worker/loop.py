@@ -30,7 +30,7 @@ from structlog.typing import FilteringBoundLogger
 from outbox_worker import claims
 from outbox_worker.backoff import retry_delay
 from outbox_worker.claims import Claim, StaleClaim
-from outbox_worker.config import OutboxConfig
+from outbox_worker.config import OutboxSettings
 from outbox_worker.deadline import within
 from outbox_worker.handlers import Outcome, deliver
 from payhook.db import Pool, Row, pooled_connection
@@ -59,7 +59,7 @@ class Worker:
         self,
         pool: Pool,
         client: httpx.Client,
-        config: OutboxConfig,
+        config: OutboxSettings,
         *,
         listen: Connect | None = None,
         deliver: Deliver = deliver,

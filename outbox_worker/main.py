@@ -15,7 +15,7 @@ import psycopg
 import structlog
 
 from outbox_worker import deadline
-from outbox_worker.config import OutboxConfig
+from outbox_worker.config import OutboxSettings
 from outbox_worker.loop import Worker
 from payhook.db import Row, connect, create_pool
 from payhook.logs import configure_logging
@@ -29,7 +29,7 @@ SIGNAL_POLL = 0.1
 T = TypeVar("T")
 
 
-def build_client(config: OutboxConfig) -> httpx.Client:
+def build_client(config: OutboxSettings) -> httpx.Client:
     """One HTTP client per process, with a connection per concurrent delivery.
 
     Each delivery's exchange must end by its deadline (`outbox_worker.deadline`),
@@ -61,7 +61,7 @@ def environment_proxy() -> bool:
     return any(found.get(scheme) for scheme in ("http", "https", "all"))
 
 
-def pool_size(settings: Settings, config: OutboxConfig) -> int:
+def pool_size(settings: Settings, config: OutboxSettings) -> int:
     """A connection for every delivery thread and one for the claiming loop: a
     delivered row whose result waited for a connection and timed out would
     stay claimed, and be sent again when its lease ended."""
@@ -74,7 +74,7 @@ def run(settings: Settings, once: bool = False) -> int:
     # httpx logs every request with its full URL, which may carry credentials;
     # our own line per delivery says what happened without it.
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    config = OutboxConfig.from_settings(settings)
+    config = OutboxSettings.from_settings(settings)
     pool = create_pool(settings, "outbox-worker", size=pool_size(settings, config))
     client = build_client(config)
 

@@ -25,7 +25,7 @@ from consumer.transaction import Applied, apply_event
 from control.alerts import (
     SIGNALS,
     AlertCollector,
-    AlertConfig,
+    AlertSettings,
     AlertsUnavailable,
     Signal,
     oldest_waiting,
@@ -84,7 +84,7 @@ def locked(settings: Settings, table: str, *, at_most: float = 5.0) -> Iterator[
 
 
 def values(conn: psycopg.Connection[Row], redis: Redis, settings: Settings) -> dict[str, int]:
-    signals = read_signals(conn, redis, settings, AlertConfig.from_settings(settings))
+    signals = read_signals(conn, redis, settings, AlertSettings.from_settings(settings))
     return {s.name: s.value for s in signals}
 
 
@@ -161,7 +161,7 @@ def test_each_signal_counts_what_it_names(
         "dead_letter_jobs": 1,
         "quarantined_jobs": 1,
     }
-    signals = read_signals(conn, redis_conn, settings, AlertConfig.from_settings(settings))
+    signals = read_signals(conn, redis_conn, settings, AlertSettings.from_settings(settings))
     active = {s.name for s in signals if s.active}
     # 20 retries is the threshold, not above it.
     assert active == {
@@ -176,11 +176,11 @@ def test_each_signal_counts_what_it_names(
     }
     # Within PAYHOOK_ALERT_BACKLOG, a waiting job is no alert.
     patient = replace(settings, extra={**settings.extra, "PAYHOOK_ALERT_BACKLOG": "15m"})
-    relaxed = AlertConfig.from_settings(patient)
+    relaxed = AlertSettings.from_settings(patient)
     signals = read_signals(conn, redis_conn, settings, relaxed)
     assert "queue_backlog" not in {s.name for s in signals if s.active}
     counters.record(redis_conn, counters.SERIALIZATION_RETRIES, 1)
-    signals = read_signals(conn, redis_conn, settings, AlertConfig.from_settings(settings))
+    signals = read_signals(conn, redis_conn, settings, AlertSettings.from_settings(settings))
     assert "serialization_retries" in {s.name for s in signals if s.active}
 
     loud = check(settings)
@@ -203,7 +203,7 @@ def test_prometheus_export_carries_the_same_signals(
 ) -> None:
     shop = factory.shop()
     assert deliver(conn, shop, StandardEvent()).outcome == "unmapped_order"
-    config = AlertConfig.from_settings(settings)
+    config = AlertSettings.from_settings(settings)
 
     def read() -> list[Signal]:
         with connect(settings, "test") as own:
@@ -258,7 +258,7 @@ def test_a_timed_out_read_leaves_the_connection_as_it_was(
     conn: psycopg.Connection[Row], settings: Settings, redis_conn: Redis
 ) -> None:
     """The timeouts bound the read's own transaction, not the caller's session."""
-    config = replace(AlertConfig.from_settings(settings), timeout=0.2)
+    config = replace(AlertSettings.from_settings(settings), timeout=0.2)
     with locked(settings, "payment_outbox"):
         started = time.monotonic()
         with pytest.raises(AlertsUnavailable, match=r"within 0\.2s"):
@@ -274,7 +274,7 @@ def test_the_longest_window_allowed_is_one_postgresql_can_read(
 ) -> None:
     longest = f"{int(MAX_DURATION // 86400)}d"
     settings = test_settings(database, PAYHOOK_ALERT_WINDOW=longest, PAYHOOK_OUTBOX_SLA=longest)
-    config = AlertConfig.from_settings(settings)
+    config = AlertSettings.from_settings(settings)
     assert config.window == config.outbox_sla == MAX_DURATION
     assert len(read_signals(conn, redis_conn, settings, config)) == len(SIGNALS)
 

@@ -17,7 +17,7 @@ from structlog.testing import capture_logs
 from consumer.handler import Runtime, handle
 from outbox_worker import deadline
 from outbox_worker.claims import Claim
-from outbox_worker.config import OutboxConfig
+from outbox_worker.config import OutboxSettings
 from outbox_worker.handlers import Outcome
 from outbox_worker.loop import Worker
 from outbox_worker.main import build_client
@@ -27,7 +27,7 @@ from tests.factories import Factory, Shop, StandardEvent
 from tests.receiver import Receiver
 
 #: Short enough that retries come quickly in a test.
-FAST = OutboxConfig(lease=30, batch=10, concurrency=4, poll=0.2, timeout=2, backoff=0.05)
+FAST = OutboxSettings(lease=30, batch=10, concurrency=4, poll=0.2, timeout=2, backoff=0.05)
 
 
 @pytest.fixture
@@ -52,7 +52,7 @@ def make_worker(pool: Pool) -> Iterator[MakeWorker]:
     """Workers on the test's pool; their threads and HTTP clients are closed afterwards."""
     made: list[Worker] = []
 
-    def make(config: OutboxConfig, **options: Any) -> Worker:
+    def make(config: OutboxSettings, **options: Any) -> Worker:
         worker = Worker(pool, build_client(config), config, **options)
         made.append(worker)
         return worker
@@ -173,7 +173,7 @@ def test_5xx_is_retried_with_backoff_then_delivered(
     receiver.configure(statuses=[500, 503])
     shop = factory.shop(fulfilment_url=receiver.url)
     [row_id] = add_rows(conn, shop, factory.order(shop))
-    config = OutboxConfig(lease=30, poll=0.2, timeout=2, backoff=0.3, backoff_max=0.3)
+    config = OutboxSettings(lease=30, poll=0.2, timeout=2, backoff=0.3, backoff_max=0.3)
     worker = make_worker(config)
     worker.run_once()
     after_first = row(conn, row_id)
@@ -207,7 +207,7 @@ def test_timeout_is_retried(
     receiver.configure(delay=3)
     shop = factory.shop(fulfilment_url=receiver.url)
     [row_id] = add_rows(conn, shop, factory.order(shop))
-    worker = make_worker(OutboxConfig(lease=5, timeout=0.5, backoff=60, backoff_max=60))
+    worker = make_worker(OutboxSettings(lease=5, timeout=0.5, backoff=60, backoff_max=60))
     worker.run_once()
     stored = row(conn, row_id)
     assert stored["state"] == "pending" and stored["last_error"] == "timeout: ReadTimeout"
@@ -233,7 +233,7 @@ def test_last_allowed_attempt_makes_the_row_dead(
     receiver.configure(status=502)
     shop = factory.shop(fulfilment_url=receiver.url)
     [row_id] = add_rows(conn, shop, factory.order(shop))
-    config = OutboxConfig(lease=30, timeout=2, max_attempts=3, backoff=0.05, backoff_max=0.1)
+    config = OutboxSettings(lease=30, timeout=2, max_attempts=3, backoff=0.05, backoff_max=0.1)
     worker = make_worker(config)
     run_until(worker, lambda: row(conn, row_id)["state"] == "dead")
     time.sleep(0.2)
@@ -289,7 +289,7 @@ def test_row_is_not_started_without_a_full_delivery_left_in_its_lease(
         time.sleep(1.5)  # leaves less than 2 x timeout of the 3 s lease
         return Outcome("delivered", "test")
 
-    config = OutboxConfig(lease=3, batch=2, concurrency=1, timeout=1)
+    config = OutboxSettings(lease=3, batch=2, concurrency=1, timeout=1)
     worker = make_worker(config, deliver=slow_delivery)
     assert worker.run_batch() == 2
     [first] = started
@@ -316,7 +316,7 @@ def test_row_is_not_started_without_time_left_to_record_its_result(
         ended.append(time.monotonic())
         return Outcome("delivered", "test")
 
-    config = OutboxConfig(lease=3, batch=2, concurrency=1, timeout=1)
+    config = OutboxSettings(lease=3, batch=2, concurrency=1, timeout=1)
     worker = make_worker(config, deliver=delivery)
     before = time.monotonic()
     assert worker.run_batch() == 2
@@ -336,7 +336,7 @@ def test_row_whose_last_attempt_was_lost_with_its_worker_is_dead_not_resent(
     shop = factory.shop(fulfilment_url=receiver.url)
     [row_id] = add_rows(conn, shop, factory.order(shop))
     conn.execute("UPDATE payhook.payment_outbox SET attempts = 3 WHERE id = %s", (row_id,))
-    worker = make_worker(OutboxConfig(lease=30, timeout=2, max_attempts=3))
+    worker = make_worker(OutboxSettings(lease=30, timeout=2, max_attempts=3))
     worker.run_once()
     stored = row(conn, row_id)
     assert (stored["state"], stored["attempts"]) == ("dead", 4)
@@ -353,7 +353,7 @@ def test_handler_crash_is_recorded_as_a_failed_attempt(
     def broken(client: httpx.Client, claim: Claim) -> Outcome:
         raise KeyError("surprise")
 
-    config = OutboxConfig(lease=30, timeout=2, backoff=60, backoff_max=60)
+    config = OutboxSettings(lease=30, timeout=2, backoff=60, backoff_max=60)
     worker = make_worker(config, deliver=broken)
     with capture_logs() as logs:
         worker.run_once()
@@ -371,7 +371,7 @@ def test_deliveries_reuse_one_connection(
     receiver.configure(statuses=[503])
     shop = factory.shop(fulfilment_url=receiver.url)
     add_rows(conn, shop, factory.order(shop), 5)
-    worker = make_worker(OutboxConfig(lease=30, batch=5, concurrency=1, timeout=2))
+    worker = make_worker(OutboxSettings(lease=30, batch=5, concurrency=1, timeout=2))
     worker.run_once()
     requests = receiver.requests()
     assert [r["status"] for r in requests] == [503, 200, 200, 200, 200]
@@ -391,7 +391,7 @@ def test_a_delivery_runs_under_a_deadline_inside_its_lease(
         seen.append((time.monotonic(), deadline.current()))
         return Outcome("delivered", "test")
 
-    config = OutboxConfig(lease=30, timeout=2)
+    config = OutboxSettings(lease=30, timeout=2)
     before = time.monotonic()
     make_worker(config, deliver=record).run_once()
     [(started, until)] = seen

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
-from control.alerts import SIGNALS, AlertConfig, Signal, _duration
+from control.alerts import SIGNALS, AlertSettings, Signal, _duration
 from payhook.errors import SettingsError
 from payhook.settings import MAX_DURATION, Settings
 
@@ -67,7 +67,7 @@ def test_a_signal_is_active_only_above_its_threshold() -> None:
 
 
 def test_alert_settings_are_read_and_checked() -> None:
-    config = AlertConfig.from_settings(
+    config = AlertSettings.from_settings(
         Settings.from_env(
             {
                 "PAYHOOK_ALERT_WINDOW": "1h",
@@ -78,17 +78,17 @@ def test_alert_settings_are_read_and_checked() -> None:
             }
         )
     )
-    assert config == AlertConfig(
+    assert config == AlertSettings(
         window=3600, retry_window=1800, retry_threshold=5, outbox_sla=120, backlog=600
     )
-    assert AlertConfig.from_settings(Settings.from_env({})).backlog == 300
+    assert AlertSettings.from_settings(Settings.from_env({})).backlog == 300
     with pytest.raises(SettingsError, match="PAYHOOK_ALERT_RETRY_WINDOW"):
-        AlertConfig.from_settings(Settings.from_env({"PAYHOOK_ALERT_RETRY_WINDOW": "3h"}))
+        AlertSettings.from_settings(Settings.from_env({"PAYHOOK_ALERT_RETRY_WINDOW": "3h"}))
     with pytest.raises(SettingsError, match="PAYHOOK_ALERT_RETRY_THRESHOLD"):
-        AlertConfig.from_settings(Settings.from_env({"PAYHOOK_ALERT_RETRY_THRESHOLD": "-1"}))
+        AlertSettings.from_settings(Settings.from_env({"PAYHOOK_ALERT_RETRY_THRESHOLD": "-1"}))
     for bad in ("0s", "soon"):
         with pytest.raises(SettingsError, match="PAYHOOK_ALERT_BACKLOG"):
-            AlertConfig.from_settings(Settings.from_env({"PAYHOOK_ALERT_BACKLOG": bad}))
+            AlertSettings.from_settings(Settings.from_env({"PAYHOOK_ALERT_BACKLOG": bad}))
     assert [_duration(s) for s in (86400, 172800, 900, 90)] == ["24h", "2d", "15m", "90s"]
 
 
@@ -101,17 +101,17 @@ def test_windows_postgresql_cannot_use_are_refused_at_start() -> None:
             with pytest.raises(
                 SettingsError, match=rf"{name}: expected at most 36500d \(100 years\)"
             ):
-                AlertConfig.from_settings(Settings.from_env({name: absurd}))
-    longest = AlertConfig.from_settings(
+                AlertSettings.from_settings(Settings.from_env({name: absurd}))
+    longest = AlertSettings.from_settings(
         Settings.from_env({"PAYHOOK_ALERT_WINDOW": "36500d", "PAYHOOK_ALERT_BACKLOG": "36500d"})
     )
     assert longest.window == longest.backlog == MAX_DURATION == 36500 * 86400
 
 
 def test_the_read_timeout_is_read_and_checked() -> None:
-    assert AlertConfig.from_settings(Settings.from_env({})).timeout == 5
-    read = AlertConfig.from_settings(Settings.from_env({"PAYHOOK_ALERT_TIMEOUT": "250ms"}))
+    assert AlertSettings.from_settings(Settings.from_env({})).timeout == 5
+    read = AlertSettings.from_settings(Settings.from_env({"PAYHOOK_ALERT_TIMEOUT": "250ms"}))
     assert read.timeout == 0.25
     for bad in ("0s", "soon", "11m"):
         with pytest.raises(SettingsError, match="PAYHOOK_ALERT_TIMEOUT"):
-            AlertConfig.from_settings(Settings.from_env({"PAYHOOK_ALERT_TIMEOUT": bad}))
+            AlertSettings.from_settings(Settings.from_env({"PAYHOOK_ALERT_TIMEOUT": bad}))

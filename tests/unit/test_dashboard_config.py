@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from control.dashboard import DashboardConfig, display_url, is_loopback
+from control.dashboard import DashboardSettings, display_url, is_loopback
 from payhook.errors import SettingsError
 from payhook.settings import Settings
 
 
-def config(**env: str) -> DashboardConfig:
-    return DashboardConfig.from_settings(Settings.from_env(env))
+def config(**env: str) -> DashboardSettings:
+    return DashboardSettings.from_settings(Settings.from_env(env))
 
 
 def test_it_listens_on_loopback_unless_told_otherwise() -> None:

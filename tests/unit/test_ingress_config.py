@@ -14,7 +14,7 @@ from ingress.config import (
     DEFAULT_LIMIT_CONCURRENCY,
     DEFAULT_READ_TIMEOUT,
     DEFAULT_RETRY_AFTER,
-    IngressConfig,
+    IngressSettings,
 )
 from ingress.main import app_from_env, run
 from ingress.protocol import ReadDeadlineProtocol
@@ -24,8 +24,8 @@ from payhook.gateways import GATEWAYS
 from payhook.settings import Settings
 
 
-def config(**env: str) -> IngressConfig:
-    return IngressConfig.from_settings(Settings.from_env(env))
+def config(**env: str) -> IngressSettings:
+    return IngressSettings.from_settings(Settings.from_env(env))
 
 
 def test_retry_after_defaults_and_reads_durations() -> None:

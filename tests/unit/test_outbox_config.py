@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from outbox_worker.config import OutboxConfig
+from outbox_worker.config import OutboxSettings
 from payhook.errors import SettingsError
 from payhook.settings import Settings
 
 
-def config(**env: str) -> OutboxConfig:
-    return OutboxConfig.from_settings(Settings.from_env(env))
+def config(**env: str) -> OutboxSettings:
+    return OutboxSettings.from_settings(Settings.from_env(env))
 
 
 def test_defaults_suit_a_payment_operator() -> None:
@@ -70,4 +70,4 @@ def test_pool_has_a_connection_for_every_delivery_and_the_claims(
     from outbox_worker.main import pool_size
 
     settings = Settings.from_env(env)
-    assert pool_size(settings, OutboxConfig.from_settings(settings)) == size
+    assert pool_size(settings, OutboxSettings.from_settings(settings)) == size

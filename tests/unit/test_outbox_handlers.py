@@ -18,7 +18,7 @@ from structlog.testing import capture_logs
 
 from outbox_worker import deadline
 from outbox_worker.claims import Claim, short_error
-from outbox_worker.config import OutboxConfig
+from outbox_worker.config import OutboxSettings
 from outbox_worker.handlers import (
     classify,
     deliver,
@@ -291,7 +291,7 @@ def test_the_worker_client_has_the_deadline_unless_a_proxy_is_configured(
 ) -> None:
     from outbox_worker.main import build_client
 
-    config = OutboxConfig(timeout=0.5)
+    config = OutboxSettings(timeout=0.5)
     monkeypatch.setattr(urllib.request, "getproxies", dict)
     receiver = TricklingReceiver()
     with build_client(config) as client, deadline.within(time.monotonic() + 0.6):

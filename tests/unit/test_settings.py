@@ -6,7 +6,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from control.alerts import AlertConfig
+from control.alerts import AlertSettings
 from payhook.errors import SettingsError
 from payhook.horizon import receipt_horizon
 from payhook.settings import DURATIONS, MAX_DURATION, MAX_JOB_TIMEOUT, Settings, parse_duration
@@ -46,9 +46,9 @@ def test_the_longest_retentions_are_accepted_and_leave_a_horizon_to_compare_with
 def test_the_alert_window_is_bounded_like_every_duration() -> None:
     """`PAYHOOK_ALERT_WINDOW` is read by `control.alerts` through the same parser."""
     with pytest.raises(SettingsError, match=r"^PAYHOOK_ALERT_WINDOW: expected at most 36500d"):
-        AlertConfig.from_settings(Settings.from_env({"PAYHOOK_ALERT_WINDOW": "3000000d"}))
+        AlertSettings.from_settings(Settings.from_env({"PAYHOOK_ALERT_WINDOW": "3000000d"}))
     longest = Settings.from_env({"PAYHOOK_ALERT_WINDOW": "36500d"})
-    assert AlertConfig.from_settings(longest).window == MAX_DURATION
+    assert AlertSettings.from_settings(longest).window == MAX_DURATION
 
 
 def test_a_command_line_duration_is_bounded_too() -> None:
