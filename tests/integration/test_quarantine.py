@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import uuid
 import zlib
+from collections.abc import Callable
 
 import pytest
 from redis import Redis
@@ -110,47 +111,48 @@ def test_an_id_payhook_never_writes_is_quarantined(
     assert entry.reason.startswith("id:")
 
 
-def test_a_key_of_another_type_is_quarantined(
-    settings: Settings, redis_conn: Redis, factory: Factory, runtime: Runtime
+def key_of_another_type(redis_conn: Redis, job: Job) -> None:
+    redis_conn.delete(job.key)
+    redis_conn.set(job.key, b"not a hash")
+
+
+def no_data(redis_conn: Redis, job: Job) -> None:
+    redis_conn.hdel(job.key, "data")
+
+
+def another_queue(redis_conn: Redis, job: Job) -> None:
+    redis_conn.hset(job.key, "origin", "elsewhere")
+
+
+@pytest.mark.parametrize(
+    ("forge", "reason"),
+    [
+        (key_of_another_type, "RQ could not read it (ResponseError)"),
+        # RQ passes over a hash without data as if it were gone.
+        (no_data, "data: missing"),
+        (another_queue, "origin: not this queue"),
+    ],
+    ids=["another-type", "no-data", "another-queue"],
+)
+def test_a_job_hash_rq_would_misread_is_quarantined_and_the_next_is_applied(
+    settings: Settings,
+    redis_conn: Redis,
+    factory: Factory,
+    runtime: Runtime,
+    forge: Callable[[Redis, Job], None],
+    reason: str,
 ) -> None:
     shop = factory.shop()
     forged = enqueue(settings, redis_conn, factory, shop)
-    redis_conn.delete(forged.key)
-    redis_conn.set(forged.key, b"not a hash")
+    forge(redis_conn, forged)
     valid = enqueue(settings, redis_conn, factory, shop)
 
     build_worker(settings, runtime).work(burst=True, logging_level="ERROR")
 
     assert valid.get_status(refresh=True) == JobStatus.FINISHED
+    assert receipts(factory) == 1  # the valid event's; nothing of the forged one
     [entry] = quarantine.list_jobs(redis_conn, settings.queue)
-    assert entry.reason == "RQ could not read it (ResponseError)"
-
-
-def test_a_hash_without_data_is_quarantined_not_passed_over(
-    settings: Settings, redis_conn: Redis, factory: Factory, runtime: Runtime
-) -> None:
-    shop = factory.shop()
-    forged = enqueue(settings, redis_conn, factory, shop)
-    redis_conn.hdel(forged.key, "data")
-
-    build_worker(settings, runtime).work(burst=True, logging_level="ERROR")
-
-    [entry] = quarantine.list_jobs(redis_conn, settings.queue)
-    assert entry.reason == "data: missing"
-
-
-def test_a_job_from_another_queue_is_quarantined(
-    settings: Settings, redis_conn: Redis, factory: Factory, runtime: Runtime
-) -> None:
-    shop = factory.shop()
-    forged = enqueue(settings, redis_conn, factory, shop)
-    redis_conn.hset(forged.key, "origin", "elsewhere")
-
-    build_worker(settings, runtime).work(burst=True, logging_level="ERROR")
-
-    assert receipts(factory) == 0
-    [entry] = quarantine.list_jobs(redis_conn, settings.queue)
-    assert entry.reason == "origin: not this queue"
+    assert entry.reason == reason
 
 
 @pytest.mark.parametrize(
