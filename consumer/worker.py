@@ -10,7 +10,7 @@ dependencies, a group or a ttl) or whose data cannot be read; such a job fails a
 once, without retries, before anything of it is applied, and its webhooks
 are never sent.
 
-A job whose hash RQ itself could not read (`consumer.jobhash`) would stop
+A job whose hash RQ itself could not read (`payhook.jobhash`) would stop
 the worker inside RQ's dequeue or maintenance, every time it is seen: it is
 quarantined instead (`payhook.quarantine`), wherever the worker finds it
 (dequeued, in the intermediate list, among the abandoned or due retries),
@@ -58,6 +58,8 @@ ALLOWED_FUNCTIONS = frozenset({APPLY_EVENT})
 #: (the execution, then the job's status).
 FAULT_KILL_BEFORE_STARTED = "consumer_kill_before_started"
 FAULT_KILL_BETWEEN_START_WRITES = "consumer_kill_between_start_writes"
+#: Characters of a quarantined job's id in its log line.
+MAX_LOGGED_ID = 200
 
 
 class PayhookJob(ReadableJob, JobWithDataHook):
@@ -236,7 +238,8 @@ class PayhookQueue(Queue):
         )
         log.error(
             "job_quarantined",
-            job_id=quarantine.printable(raw_id),
+            # Bounded: a forged id may be of any length.
+            job_id=quarantine.printable(raw_id)[:MAX_LOGGED_ID],
             reason=reason,
             found_in=source if isinstance(source, str) else quarantine.printable(source),
         )
