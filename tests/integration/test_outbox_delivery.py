@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +23,9 @@ from outbox_worker.handlers import Outcome
 from outbox_worker.loop import Worker
 from outbox_worker.main import build_client
 from payhook.db import Pool, Row, create_pool
+from payhook.destinations import DestinationPolicy
 from payhook.settings import Settings
-from tests.factories import Factory, Shop, StandardEvent
+from tests.factories import LOCAL_RECEIVERS, Factory, Shop, StandardEvent
 from tests.receiver import Receiver
 
 #: Short enough that retries come quickly in a test.
@@ -52,7 +54,11 @@ def make_worker(pool: Pool) -> Iterator[MakeWorker]:
     """Workers on the test's pool; their threads and HTTP clients are closed afterwards."""
     made: list[Worker] = []
 
-    def make(config: OutboxSettings, **options: Any) -> Worker:
+    def make(
+        config: OutboxSettings, destinations: DestinationPolicy = LOCAL_RECEIVERS, **options: Any
+    ) -> Worker:
+        # The test's receivers are on this machine, over http.
+        config = replace(config, destinations=destinations)
         worker = Worker(pool, build_client(config), config, **options)
         made.append(worker)
         return worker
