@@ -30,7 +30,7 @@ from typing import Any
 import httpcore
 import httpx
 
-from payhook.destinations import DestinationPolicy, DestinationRefused, Resolve, resolve_host
+from payhook.destinations import DestinationPolicy, DestinationRefused, Resolve
 
 
 class PinnedBackend(httpcore.NetworkBackend):
@@ -40,7 +40,7 @@ class PinnedBackend(httpcore.NetworkBackend):
         self,
         destinations: DestinationPolicy,
         backend: httpcore.NetworkBackend,
-        resolve: Resolve = resolve_host,
+        resolve: Resolve | None = None,
     ) -> None:
         self.destinations = destinations
         self._backend = backend
@@ -84,7 +84,7 @@ class PinnedBackend(httpcore.NetworkBackend):
 
 
 def check_request(
-    destinations: DestinationPolicy, *, resolve: Resolve | None = None
+    destinations: DestinationPolicy, *, resolve: bool = False
 ) -> Callable[[httpx.Request], None]:
     """An httpx request hook refusing a URL by its scheme, credentials or an
     address written in it; with `resolve`, by the addresses its host resolves
@@ -92,9 +92,9 @@ def check_request(
 
     def check(request: httpx.Request) -> None:
         host, port = destinations.check_url(str(request.url))
-        if resolve is not None:
+        if resolve:
             try:
-                destinations.check_host(host, port, resolve)
+                destinations.check_host(host, port)
             except OSError as exc:
                 raise httpx.ConnectError(f"cannot resolve the host: {exc}") from exc
 

@@ -18,7 +18,7 @@ from outbox_worker import deadline, egress
 from outbox_worker.config import OutboxSettings
 from outbox_worker.loop import Worker
 from payhook.db import Row, connect, create_pool
-from payhook.destinations import describe, resolve_host
+from payhook.destinations import describe
 from payhook.logs import configure_logging
 from payhook.settings import Settings
 
@@ -47,7 +47,7 @@ def build_client(config: OutboxSettings) -> httpx.Client:
         log.warning(
             "outbox_proxy_from_environment", deadline="per step only", destinations="not pinned"
         )
-        hook = egress.check_request(config.destinations, resolve=resolve_host)
+        hook = egress.check_request(config.destinations, resolve=True)
         return httpx.Client(
             timeout=timeout,
             limits=limits,
