@@ -299,8 +299,11 @@ def run(
         }
         # The demo's receiver runs on this machine, over http: allowed for the
         # stack's own processes unless the operator chose otherwise.
-        for name, value in LOCAL_FULFILMENT.items():
-            env.setdefault(name, value)
+        defaults = {k: v for k, v in LOCAL_FULFILMENT.items() if k not in environ}
+        env |= defaults
+        if defaults:
+            given_here = " ".join(f"{name}={value}" for name, value in defaults.items())
+            out.say(f"fulfilment to this machine allowed: {given_here}")
         given = environ.get("PAYHOOK_DASHBOARD_PASSWORD")
         password = given or secrets.token_urlsafe(12)
         env["PAYHOOK_DASHBOARD_PASSWORD"] = password

@@ -149,9 +149,9 @@ def refusal(address: IPAddress) -> str | None:
     """Why `address` may not be a destination (as "a ... address"), or None."""
     if isinstance(address, ipaddress.IPv6Address):
         if address.ipv4_mapped is not None:
-            return "an IPv4-mapped address"
-        if address in IPV4_COMPATIBLE:
-            return "an IPv4-compatible address" if int(address) > 1 else _kind(address)
+            return f"an IPv4-mapped address (of {address.ipv4_mapped})"
+        if address in IPV4_COMPATIBLE and int(address) > 1:
+            return f"an IPv4-compatible address (of {embedded_ipv4(address)})"
         embedded = embedded_ipv4(address)
         if embedded is not None:
             # 6to4 and NAT64 reach the IPv4 address they carry.
