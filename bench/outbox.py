@@ -44,6 +44,7 @@ from control.migrations import apply_migrations
 from outbox_worker.config import DEFAULT_BATCH, DEFAULT_CONCURRENCY, DEFAULT_POLL
 from payhook.db import Row, connect, execute
 from payhook.settings import Settings
+from tests.factories import LOCAL_RECEIVER_SETTINGS, LOCAL_RECEIVERS
 from tests.receiver import Receiver
 
 PG = os.environ.get("PAYHOOK_BENCH_PG", "postgresql://postgres@127.0.0.1:5432")
@@ -91,7 +92,7 @@ class Rows:
 
     def __init__(self, conn: psycopg.Connection[Row], url: str) -> None:
         self.conn = conn
-        self.tenant = admin.add_tenant(conn, "bench", url)
+        self.tenant = admin.add_tenant(conn, "bench", url, destinations=LOCAL_RECEIVERS)
         self.order = admin.add_order(conn, self.tenant, "ref-1", "pi_1", 1500, "EUR")
 
     def insert(self, count: int) -> list[str]:
@@ -144,6 +145,7 @@ class Tail:
 def start_workers(settings: Settings, count: int, logdir: Path) -> list[subprocess.Popen[bytes]]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PAYHOOK_")}
     env |= {"DATABASE_URL": str(settings.database_url), "PAYHOOK_LOG_LEVEL": "INFO"}
+    env |= LOCAL_RECEIVER_SETTINGS
     script = Path(sys.executable).with_name("payhook")
     command = [str(script)] if script.exists() else [sys.executable, "-m", "control.cli"]
     procs = []

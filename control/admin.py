@@ -10,6 +10,7 @@ from urllib.parse import urlsplit
 import psycopg
 
 from payhook.db import Row, execute, fetch_one
+from payhook.destinations import DestinationPolicy, DestinationRefused, Resolve, resolve_host
 from payhook.errors import NotFound, PayhookError
 from payhook.gateways import generate_secret, get_gateway, standard
 
@@ -31,11 +32,21 @@ class NewEndpoint:
     url_path: str
 
 
-def add_tenant(conn: psycopg.Connection[Row], name: str, fulfilment_url: str | None = None) -> str:
+def add_tenant(
+    conn: psycopg.Connection[Row],
+    name: str,
+    fulfilment_url: str | None = None,
+    *,
+    destinations: DestinationPolicy = DestinationPolicy(),  # noqa: B008 - frozen, the strict one
+    resolve: Resolve = resolve_host,
+) -> str:
+    """Create a tenant; its fulfilment URL, if any, must be one `destinations`
+    allows (by default the strict policy: https to public addresses only)."""
     if not name.strip():
         raise PayhookError("a tenant needs a non-empty name")
     if fulfilment_url is not None:
         _check_url(fulfilment_url)
+        _check_destination(fulfilment_url, destinations, resolve)
     tenant_id = str(uuid.uuid4())
     with conn.transaction():
         execute(
@@ -181,6 +192,20 @@ def _check_url(url: str) -> None:
         raise PayhookError(
             f"--fulfilment-url: expected an http:// or https:// URL with a host, got {url!r}"
         )
+
+
+def _check_destination(url: str, destinations: DestinationPolicy, resolve: Resolve) -> None:
+    """Refuse a URL the outbox worker would refuse to deliver to, as far as can be
+    told now: a name that does not resolve yet is let through, since the worker
+    checks every address again when it connects."""
+    try:
+        host, port = destinations.check_url(url)
+        try:
+            destinations.check_host(host, port, resolve)
+        except OSError:
+            pass
+    except DestinationRefused as exc:
+        raise PayhookError(f"--fulfilment-url: refused: {exc}") from None
 
 
 def _uuid(value: str, name: str) -> str:

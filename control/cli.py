@@ -50,9 +50,11 @@ def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_tenants_add(args: argparse.Namespace, settings: Settings) -> int:
     from control.admin import add_tenant
     from payhook.db import connect
+    from payhook.destinations import DestinationPolicy
 
+    destinations = DestinationPolicy.from_settings(settings)
     with connect(settings) as conn:
-        print(add_tenant(conn, args.name, args.fulfilment_url))
+        print(add_tenant(conn, args.name, args.fulfilment_url, destinations=destinations))
     return 0
 
 

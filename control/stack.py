@@ -53,6 +53,7 @@ from control.dashboard import DashboardSettings
 from control.migrations import migrate
 from payhook.compat import pgserver_holders_file, pgserver_lock
 from payhook.db import Row, connect, fetch_one
+from payhook.destinations import ALLOW_INSECURE, ALLOW_NETWORKS, DestinationPolicy
 from payhook.errors import PayhookError, SettingsError
 from payhook.logs import configure_logging
 from payhook.settings import DEFAULT_DATABASE_URL, DEFAULT_REDIS_URL, Settings
@@ -70,6 +71,12 @@ DEMO_AMOUNT = 1999
 DEMO_CURRENCY = "EUR"
 #: Oldest Redis the ingress runs on: its scripts carry flags (`#!lua`), new in 7.0.
 MIN_REDIS = (7, 0)
+#: Destinations `payhook up` allows its processes, unless set: receivers on
+#: this machine, over http (`payhook.destinations`).
+LOCAL_FULFILMENT = {
+    ALLOW_INSECURE: "1",
+    ALLOW_NETWORKS: "127.0.0.0/8,::1/128",
+}
 #: Longest unix-socket path the kernel accepts, minus a margin.
 MAX_SOCKET_PATH = 100
 
@@ -290,6 +297,13 @@ def run(
             "REDIS_URL": services.redis_url,
             "PYTHONUNBUFFERED": "1",
         }
+        # The demo's receiver runs on this machine, over http: allowed for the
+        # stack's own processes unless the operator chose otherwise.
+        defaults = {k: v for k, v in LOCAL_FULFILMENT.items() if k not in environ}
+        env |= defaults
+        if defaults:
+            given_here = " ".join(f"{name}={value}" for name, value in defaults.items())
+            out.say(f"fulfilment to this machine allowed: {given_here}")
         given = environ.get("PAYHOOK_DASHBOARD_PASSWORD")
         password = given or secrets.token_urlsafe(12)
         env["PAYHOOK_DASHBOARD_PASSWORD"] = password
@@ -518,7 +532,8 @@ def ensure_demo(settings: Settings, fulfilment_url: str | None) -> Demo | None:
     with connect(settings, "up") as conn:
         count = fetch_one(conn, "count_tenants")
         if count is not None and count["tenants"] == 0:
-            tenant_id = add_tenant(conn, DEMO_TENANT, fulfilment_url)
+            destinations = DestinationPolicy.from_settings(settings)
+            tenant_id = add_tenant(conn, DEMO_TENANT, fulfilment_url, destinations=destinations)
             add_endpoint(conn, tenant_id, "standard")
         endpoint = fetch_one(conn, "find_demo_endpoint", {"name": DEMO_TENANT})
         if endpoint is None:

@@ -10,12 +10,17 @@
 | `PAYHOOK_OUTBOX_MAX_ATTEMPTS` | 30 | attempts before a row is `dead` |
 | `PAYHOOK_OUTBOX_BACKOFF` | 5s | delay before the first retry; doubles each attempt |
 | `PAYHOOK_OUTBOX_BACKOFF_MAX` | 1h | longest delay between two attempts, `Retry-After` included |
+
+Where deliveries may go (`PAYHOOK_ALLOW_INSECURE_FULFILMENT`,
+`PAYHOOK_FULFILMENT_ALLOW_NETWORKS`) is read by `payhook.destinations`, which
+`payhook tenants add` shares.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from payhook.destinations import DestinationPolicy
 from payhook.errors import SettingsError
 from payhook.settings import Settings, parse_duration, positive_int
 
@@ -51,6 +56,8 @@ class OutboxSettings:
     max_attempts: int = DEFAULT_MAX_ATTEMPTS
     backoff: float = DEFAULT_BACKOFF
     backoff_max: float = DEFAULT_BACKOFF_MAX
+    #: Where deliveries may go; by default https to public addresses only.
+    destinations: DestinationPolicy = field(default_factory=DestinationPolicy)
 
     def __post_init__(self) -> None:
         # A delivery (connect, then response, each up to the timeout) must fit in
@@ -87,6 +94,7 @@ class OutboxSettings:
             max_attempts=whole("PAYHOOK_OUTBOX_MAX_ATTEMPTS", DEFAULT_MAX_ATTEMPTS),
             backoff=seconds("PAYHOOK_OUTBOX_BACKOFF", DEFAULT_BACKOFF),
             backoff_max=seconds("PAYHOOK_OUTBOX_BACKOFF_MAX", DEFAULT_BACKOFF_MAX),
+            destinations=DestinationPolicy.from_settings(settings),
         )
 
 

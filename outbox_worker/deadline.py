@@ -21,7 +21,9 @@ from typing import Any
 import httpcore
 import httpx
 
+from outbox_worker.egress import PinnedBackend
 from payhook.compat import replace_connection_pool
+from payhook.destinations import DestinationPolicy
 
 _local = threading.local()
 
@@ -111,8 +113,12 @@ class _Backend(httpcore.NetworkBackend):
         self._backend.sleep(seconds)
 
 
-def build_transport(limits: httpx.Limits) -> httpx.HTTPTransport:
-    """httpx's own transport, its socket operations bounded by the thread's deadline.
+def build_transport(
+    limits: httpx.Limits, destinations: DestinationPolicy | None = None
+) -> httpx.HTTPTransport:
+    """httpx's own transport, its socket operations bounded by the thread's deadline,
+    and, given `destinations`, its connections made only to addresses they
+    allow (`outbox_worker.egress`).
 
     httpx does not take a network backend; its connection pool does, so the
     transport's pool is replaced by an equivalent one that has it
@@ -120,12 +126,16 @@ def build_transport(limits: httpx.Limits) -> httpx.HTTPTransport:
     answer and checks that the delivery gives up at its deadline.
     """
     transport = httpx.HTTPTransport(limits=limits)
+    backend: httpcore.NetworkBackend = _Backend()
+    if destinations is not None:
+        # Outside the deadline's backend: each address tried gets the time left.
+        backend = PinnedBackend(destinations, backend)
     pool = httpcore.ConnectionPool(
         ssl_context=httpx.create_ssl_context(),
         max_connections=limits.max_connections,
         max_keepalive_connections=limits.max_keepalive_connections,
         keepalive_expiry=limits.keepalive_expiry,
-        network_backend=_Backend(),
+        network_backend=backend,
     )
     replace_connection_pool(transport, pool)
     return transport

@@ -2,7 +2,8 @@
 
 `http`: POST a JSON body to the tenant's fulfilment URL with an
 `Idempotency-Key` and a Standard Webhooks signature made with the tenant's
-signing secret. `log`: the tenant has no URL; the effect is a log line.
+signing secret, where the client lets it go (`outbox_worker.egress`).
+`log`: the tenant has no URL; the effect is a log line.
 
 A handler never touches the database; it answers with an `Outcome` and the
 loop records it.
@@ -20,6 +21,7 @@ import structlog
 
 from outbox_worker.backoff import parse_retry_after
 from outbox_worker.claims import Claim
+from payhook.destinations import DestinationRefused
 from payhook.gateways import standard
 
 log = structlog.get_logger(__name__)
@@ -85,6 +87,10 @@ def post_delivery(client: httpx.Client, claim: Claim, *, now: float | None = Non
             outcome = classify(resp.status_code, resp.headers.get("retry-after"), time.time())
             _drain(resp)
             return outcome
+    except DestinationRefused as exc:
+        # Nothing was sent. Trying again cannot help until an operator changes
+        # the tenant's URL or the allowed networks; `payhook outbox retry` then.
+        return Outcome("dead", "http", error=f"destination refused: {exc}")
     except (httpx.InvalidURL, httpx.UnsupportedProtocol, UnicodeError):
         # UnicodeError: a host name no resolver can take (a label over 63
         # characters, an empty or invalid IDNA label), found when connecting.

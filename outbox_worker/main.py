@@ -14,10 +14,11 @@ import httpx
 import psycopg
 import structlog
 
-from outbox_worker import deadline
+from outbox_worker import deadline, egress
 from outbox_worker.config import OutboxSettings
 from outbox_worker.loop import Worker
 from payhook.db import Row, connect, create_pool
+from payhook.destinations import describe
 from payhook.logs import configure_logging
 from payhook.settings import Settings
 
@@ -34,19 +35,30 @@ def build_client(config: OutboxSettings) -> httpx.Client:
 
     Each delivery's exchange must end by its deadline (`outbox_worker.deadline`),
     except through a proxy the environment names (`HTTPS_PROXY` and the like):
-    httpx's own transports carry those, and bound each step only.
+    httpx's own transports carry those, and bound each step only. Either way
+    it goes only where `config.destinations` allows (`outbox_worker.egress`),
+    and never follows a redirect, which could lead anywhere.
     """
     limits = httpx.Limits(
         max_connections=config.concurrency, max_keepalive_connections=config.concurrency
     )
     timeout = httpx.Timeout(config.timeout)
     if environment_proxy():
-        log.warning("outbox_proxy_from_environment", deadline="per step only")
-        return httpx.Client(timeout=timeout, limits=limits, follow_redirects=False)
+        log.warning(
+            "outbox_proxy_from_environment", deadline="per step only", destinations="not pinned"
+        )
+        hook = egress.check_request(config.destinations, resolve=True)
+        return httpx.Client(
+            timeout=timeout,
+            limits=limits,
+            follow_redirects=False,
+            event_hooks={"request": [hook]},
+        )
     return httpx.Client(
         timeout=timeout,
-        transport=deadline.build_transport(limits),
+        transport=deadline.build_transport(limits, config.destinations),
         follow_redirects=False,
+        event_hooks={"request": [egress.check_request(config.destinations)]},
     )
 
 
@@ -101,6 +113,8 @@ def run(settings: Settings, once: bool = False) -> int:
         batch=config.batch,
         concurrency=config.concurrency,
         max_attempts=config.max_attempts,
+        insecure_fulfilment=config.destinations.allow_insecure,
+        fulfilment_allow_networks=describe(config.destinations.allow_networks),
     )
     try:
         if once:

@@ -14,8 +14,17 @@ from psycopg.types.json import Jsonb
 
 from control import admin
 from payhook.db import Row, execute
+from payhook.destinations import DestinationPolicy
 from payhook.envelope import Envelope
 from payhook.gateways import standard, stripe
+from payhook.settings import Settings
+
+#: The destinations tests deliver to: receivers on this machine, over http.
+LOCAL_RECEIVER_SETTINGS = {
+    "PAYHOOK_ALLOW_INSECURE_FULFILMENT": "1",
+    "PAYHOOK_FULFILMENT_ALLOW_NETWORKS": "127.0.0.0/8",
+}
+LOCAL_RECEIVERS = DestinationPolicy.from_settings(Settings.from_env(LOCAL_RECEIVER_SETTINGS))
 
 
 @dataclass
@@ -137,7 +146,9 @@ class Factory:
         self.conn = conn
 
     def shop(self, gateway: str = "standard", fulfilment_url: str | None = None) -> Shop:
-        tenant_id = admin.add_tenant(self.conn, f"shop-{uuid.uuid4().hex[:6]}", fulfilment_url)
+        tenant_id = admin.add_tenant(
+            self.conn, f"shop-{uuid.uuid4().hex[:6]}", fulfilment_url, destinations=LOCAL_RECEIVERS
+        )
         endpoint = admin.add_endpoint(self.conn, tenant_id, gateway)
         return Shop(tenant_id, endpoint.endpoint_id, endpoint.secret, gateway)
 

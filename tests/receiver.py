@@ -9,7 +9,8 @@ request arrives, before any delay, so a test can see a delivery in flight.
 
 Behaviour (`--status`, `--delay`, `--retry-after`) can be changed while it runs
 with `POST /_control` and a JSON object of the same names, plus `statuses`: a
-list of statuses answered first, one per request, before `status` applies.
+list of statuses answered first, one per request, before `status` applies, and
+`location`: a `Location` header sent with every answer (for redirects).
 
 `Receiver` starts and drives such a process from a test or a benchmark.
 """
@@ -46,18 +47,23 @@ class Behaviour:
         self.delay = delay
         self.retry_after = retry_after
         self.statuses: list[int] = []
+        self.location: str | None = None
 
     def update(self, changes: dict[str, Any]) -> dict[str, Any]:
         with self.lock:
-            for name in ("status", "delay", "retry_after", "statuses"):
+            for name in ("status", "delay", "retry_after", "statuses", "location"):
                 if name in changes:
                     setattr(self, name, changes[name])
             return self.snapshot()
 
-    def next_answer(self) -> tuple[int, float, str | None]:
+    def next_answer(self) -> tuple[int, float, dict[str, str]]:
+        """The status, the delay before answering and the extra headers."""
         with self.lock:
             status = self.statuses.pop(0) if self.statuses else self.status
-            return status, self.delay, self.retry_after
+            extra = {"retry-after": self.retry_after} if self.retry_after is not None else {}
+            if self.location is not None:
+                extra["location"] = self.location
+            return status, self.delay, extra
 
     def snapshot(self) -> dict[str, Any]:
         return {
@@ -65,6 +71,7 @@ class Behaviour:
             "delay": self.delay,
             "retry_after": self.retry_after,
             "statuses": list(self.statuses),
+            "location": self.location,
         }
 
 
@@ -103,7 +110,7 @@ def make_handler(behaviour: Behaviour, recorder: Recorder) -> type[BaseHTTPReque
             if self.path == CONTROL_PATH:
                 self._answer(200, json.dumps(behaviour.update(json.loads(body))).encode())
                 return
-            status, delay, retry_after = behaviour.next_answer()
+            status, delay, extra = behaviour.next_answer()
             recorder.write(
                 {
                     "t": arrived,
@@ -117,7 +124,6 @@ def make_handler(behaviour: Behaviour, recorder: Recorder) -> type[BaseHTTPReque
             )
             if delay:
                 time.sleep(delay)
-            extra = {"retry-after": retry_after} if retry_after is not None else {}
             self._answer(status, b'{"ok":' + (b"true" if status < 300 else b"false") + b"}", extra)
 
         def _answer(self, status: int, body: bytes, extra: dict[str, str] | None = None) -> None:
@@ -200,7 +206,7 @@ class Receiver:
         return self
 
     def configure(self, **changes: Any) -> dict[str, Any]:
-        """Change how it answers from now on (status, delay, retry_after, statuses)."""
+        """Change how it answers from now on (status, delay, retry_after, statuses, location)."""
         response = httpx.post(f"http://127.0.0.1:{self.port}{CONTROL_PATH}", json=changes)
         response.raise_for_status()
         result: dict[str, Any] = response.json()

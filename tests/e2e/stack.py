@@ -32,7 +32,7 @@ from control import admin
 from payhook.db import Row, connect
 from payhook.queue import events_queue
 from payhook.settings import Settings
-from tests.factories import Shop
+from tests.factories import LOCAL_RECEIVER_SETTINGS, LOCAL_RECEIVERS, Shop
 from tests.processes import start, stop, wait_until
 from tests.receiver import Receiver
 
@@ -49,7 +49,7 @@ FAST = {
     "PAYHOOK_OUTBOX_BACKOFF_MAX": "1s",
     "PAYHOOK_OUTBOX_POLL": "0.5s",
     "PAYHOOK_LOG_LEVEL": "INFO",
-}
+} | LOCAL_RECEIVER_SETTINGS
 
 
 def free_port() -> int:
@@ -294,7 +294,9 @@ class Stack:
 
     def shop(self) -> Shop:
         with self.db() as conn:
-            tenant_id = admin.add_tenant(conn, "e2e", fulfilment_url=self.receiver.url)
+            tenant_id = admin.add_tenant(
+                conn, "e2e", fulfilment_url=self.receiver.url, destinations=LOCAL_RECEIVERS
+            )
             endpoint = admin.add_endpoint(conn, tenant_id, "standard")
         shop = Shop(tenant_id, endpoint.endpoint_id, endpoint.secret, "standard")
         # The ingress learns new endpoints within PAYHOOK_ENDPOINT_REFRESH.

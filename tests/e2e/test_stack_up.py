@@ -119,6 +119,7 @@ def test_newcomer_runs_up_sends_a_payment_and_stops_everything(workdir: Path) ->
         database_url = re.search(r"DATABASE_URL=(\S+)", text)
         assert database_url is not None, text
         assert "Redis: embedded valkey-server 8." in text
+        assert "fulfilment to this machine allowed: PAYHOOK_ALLOW_INSECURE_FULFILMENT=1" in text
         children = psutil.Process(up.pid).children(recursive=True)
         commands = [" ".join(c.cmdline()) for c in children]
         for needed in ("ingress", "consumer", "outbox-worker", "dashboard", "valkey-server"):

@@ -670,3 +670,63 @@ def test_an_exception_kind_that_does_not_exist_is_refused_not_an_empty_list(
     result = run_cli(settings, "exceptions", "list", "--kind", "amount_missmatch")
     assert result.returncode == 2 and "invalid choice: 'amount_missmatch'" in result.stderr
     assert run_cli(settings, "exceptions", "list", "--kind", "amount_mismatch").returncode == 0
+
+
+def test_tenants_add_refuses_a_fulfilment_url_to_an_internal_address(
+    conn: psycopg.Connection[Row], settings: Settings
+) -> None:
+    """Exit 2 with the reason, as the other admin errors; no tenant is created."""
+    insecure = {"PAYHOOK_ALLOW_INSECURE_FULFILMENT": "1"}
+    cases: list[tuple[str, dict[str, str], str]] = [
+        ("http://169.254.169.254/latest/meta-data/", insecure, "is a link-local address"),
+        ("http://127.0.0.1:6379", insecure, "127.0.0.1 is a loopback address"),
+        ("http://10.0.0.1/", insecure, "10.0.0.1 is a private address"),
+        ("http://[::1]/", insecure, "::1 is a loopback address"),
+        ("http://0x7f000001/", insecure, "127.0.0.1 is a loopback address"),
+        ("http://2130706433/", insecure, "127.0.0.1 is a loopback address"),
+        ("https://[::ffff:127.0.0.1]/", {}, "is an IPv4-mapped address"),
+        ("https://224.0.0.1/", {}, "224.0.0.1 is a multicast address"),
+        ("https://0.0.0.0/", {}, "0.0.0.0 is an unspecified address"),
+        ("https://[fc00::1]/", {}, "fc00::1 is a private address"),
+        ("https://[fe80::1]/", {}, "fe80::1 is a link-local address"),
+        ("https://localhost/fulfil", {}, "is a loopback address"),
+        ("https://user:s3cr3t@shop.example/", {}, "the URL carries credentials"),
+        ("http://shop.example/fulfil", {}, "PAYHOOK_ALLOW_INSECURE_FULFILMENT=1"),
+        ("https://10.0.0.1/", {"PAYHOOK_FULFILMENT_ALLOW_NETWORKS": "192.168.0.0/16"},
+         "10.0.0.1 is a private address"),
+    ]  # fmt: skip
+    before = Factory(conn).count("tenants")
+    for url, env, message in cases:
+        done = run_cli(settings, "tenants", "add", "acme", "--fulfilment-url", url, **env)
+        assert done.returncode == 2, (url, done.stdout, done.stderr)
+        assert "payhook: error: --fulfilment-url: refused: " in done.stderr, (url, done.stderr)
+        assert message in done.stderr, (url, done.stderr)
+        assert "s3cr3t" not in done.stderr and "Traceback" not in done.stderr
+    assert Factory(conn).count("tenants") == before
+
+
+def test_tenants_add_accepts_a_private_receiver_the_operator_allowed(
+    conn: psycopg.Connection[Row], settings: Settings
+) -> None:
+    allowed = {"PAYHOOK_FULFILMENT_ALLOW_NETWORKS": "10.0.0.0/8, 127.0.0.0/8"}
+    done = run_cli(settings, "tenants", "add", "acme", "--fulfilment-url", "https://10.1.2.3/f",
+                   **allowed)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    tenant_id = str(uuid.UUID(done.stdout.strip()))
+    stored = conn.execute(
+        "SELECT fulfilment_url FROM payhook.tenants WHERE id = %s", (tenant_id,)
+    ).fetchone()
+    assert stored is not None and stored["fulfilment_url"] == "https://10.1.2.3/f"
+    # Plain http to it still needs the insecure flag.
+    done = run_cli(settings, "tenants", "add", "acme", "--fulfilment-url", "http://10.1.2.3/f",
+                   **allowed)  # fmt: skip
+    assert done.returncode == 2 and "PAYHOOK_ALLOW_INSECURE_FULFILMENT=1" in done.stderr
+
+
+def test_a_bad_allowed_network_fails_naming_the_variable(settings: Settings) -> None:
+    done = run_cli(
+        settings, "tenants", "add", "acme", "--fulfilment-url", "https://10.0.0.1/",
+        PAYHOOK_FULFILMENT_ALLOW_NETWORKS="10.0.0.0/40",
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "payhook: error: PAYHOOK_FULFILMENT_ALLOW_NETWORKS: expected CIDRs" in done.stderr

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import socket
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +23,11 @@ from outbox_worker.config import OutboxSettings
 from outbox_worker.handlers import Outcome
 from outbox_worker.loop import Worker
 from outbox_worker.main import build_client
+from payhook import destinations
 from payhook.db import Pool, Row, create_pool
+from payhook.destinations import DestinationPolicy
 from payhook.settings import Settings
-from tests.factories import Factory, Shop, StandardEvent
+from tests.factories import LOCAL_RECEIVERS, Factory, Shop, StandardEvent
 from tests.receiver import Receiver
 
 #: Short enough that retries come quickly in a test.
@@ -52,7 +56,11 @@ def make_worker(pool: Pool) -> Iterator[MakeWorker]:
     """Workers on the test's pool; their threads and HTTP clients are closed afterwards."""
     made: list[Worker] = []
 
-    def make(config: OutboxSettings, **options: Any) -> Worker:
+    def make(
+        config: OutboxSettings, destinations: DestinationPolicy = LOCAL_RECEIVERS, **options: Any
+    ) -> Worker:
+        # The test's receivers are on this machine, over http.
+        config = replace(config, destinations=destinations)
         worker = Worker(pool, build_client(config), config, **options)
         made.append(worker)
         return worker
@@ -423,3 +431,148 @@ def test_connections_the_server_ended_do_not_fail_a_pass(
     assert row(conn, row_id)["state"] == "delivered"
     assert len(receiver.requests()) == 1
     assert not [e for e in logs if e["log_level"] == "error"], logs
+
+
+#: The worker's policy in the tests below: http allowed, no network allowed.
+NO_LOCAL_RECEIVERS = DestinationPolicy(allow_insecure=True)
+
+
+def shop_at(conn: psycopg.Connection[Row], factory: Factory, url: str) -> Shop:
+    """A shop whose fulfilment URL is written to the table as it is: unchecked,
+    and with no name resolved (tests send nothing beyond this machine)."""
+    shop = factory.shop()
+    conn.execute(
+        "UPDATE payhook.tenants SET fulfilment_url = %s WHERE id = %s", (url, shop.tenant_id)
+    )
+    return shop
+
+
+def test_a_host_that_resolves_to_a_loopback_address_is_refused_and_nothing_is_sent(
+    conn: psycopg.Connection[Row], factory: Factory, make_worker: MakeWorker, receiver: Receiver
+) -> None:
+    """`localhost` passes a check of the URL's form; only its resolution, at
+    delivery, shows where it leads. The row is dead at once: retrying sends nothing."""
+    shop = factory.shop(fulfilment_url=f"http://localhost:{receiver.port}/fulfil")
+    [row_id] = add_rows(conn, shop, factory.order(shop))
+    worker = make_worker(FAST, destinations=NO_LOCAL_RECEIVERS)
+    with capture_logs() as logs:
+        assert worker.run_once() == 1
+    stored = row(conn, row_id)
+    assert (stored["state"], stored["attempts"]) == ("dead", 1)
+    assert stored["last_error"].startswith("destination refused: ")
+    assert "is a loopback address" in stored["last_error"]
+    assert "PAYHOOK_FULFILMENT_ALLOW_NETWORKS" in stored["last_error"]
+    assert receiver.requests() == []
+    [line] = [e for e in logs if e["event"] == "outbox_dead"]
+    assert line["outbox_id"] == row_id
+
+
+def test_a_name_resolving_to_a_private_address_is_refused_at_delivery(
+    conn: psycopg.Connection[Row],
+    factory: Factory,
+    make_worker: MakeWorker,
+    receiver: Receiver,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The tenant's name resolved to a public address when it was added, and
+    to the receiver's loopback address at delivery (DNS rebinding)."""
+    shop = shop_at(conn, factory, f"http://shop.example:{receiver.port}/fulfil")
+    [row_id] = add_rows(conn, shop, factory.order(shop))
+    asked: list[str] = []
+
+    def rebound(host: str, port: int) -> list[str]:
+        asked.append(host)
+        return ["127.0.0.1"]
+
+    monkeypatch.setattr(destinations, "resolve_host", rebound)
+    worker = make_worker(FAST, destinations=NO_LOCAL_RECEIVERS)
+    worker.run_once()
+    stored = row(conn, row_id)
+    assert stored["state"] == "dead" and asked == ["shop.example"]
+    assert "127.0.0.1 is a loopback address" in stored["last_error"]
+    assert receiver.requests() == []
+
+
+def test_the_connection_goes_to_the_address_that_was_checked(
+    conn: psycopg.Connection[Row],
+    factory: Factory,
+    make_worker: MakeWorker,
+    receiver: Receiver,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The name is resolved once, by the check; the connection is made to the
+    address it returned, so no second answer can lead it elsewhere."""
+    shop = shop_at(conn, factory, f"http://shop.example:{receiver.port}/fulfil")
+    [row_id] = add_rows(conn, shop, factory.order(shop))
+    monkeypatch.setattr(destinations, "resolve_host", lambda host, port: ["127.0.0.1"])
+    real_getaddrinfo = socket.getaddrinfo
+
+    def no_second_lookup(host: Any, *args: Any, **kwargs: Any) -> Any:
+        assert host != "shop.example", "the name was resolved again to connect"
+        return real_getaddrinfo(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", no_second_lookup)
+    make_worker(FAST).run_once()
+    assert row(conn, row_id)["state"] == "delivered"
+    [request] = receiver.requests()
+    assert request["headers"]["host"] == f"shop.example:{receiver.port}"
+
+
+def test_a_redirect_is_never_followed(
+    conn: psycopg.Connection[Row],
+    factory: Factory,
+    make_worker: MakeWorker,
+    receiver: Receiver,
+    tmp_path: Path,
+) -> None:
+    """A 302 to an address the worker may reach is not followed either: only
+    the tenant's own URL is ever asked."""
+    with Receiver(tmp_path / "redirector", status=302) as redirector:
+        redirector.configure(location=receiver.url)
+        shop = factory.shop(fulfilment_url=redirector.url)
+        [row_id] = add_rows(conn, shop, factory.order(shop))
+        make_worker(FAST).run_once()
+        assert len(redirector.requests()) == 1
+    stored = row(conn, row_id)
+    assert (stored["state"], stored["last_error"]) == ("pending", "HTTP 302")
+    assert receiver.requests() == []
+
+
+@pytest.mark.parametrize(
+    ("url", "reason"),
+    [
+        ("http://user:s3cr3t@127.0.0.1:{port}/fulfil", "the URL carries credentials"),
+        ("http://0x7f000001:{port}/fulfil", "127.0.0.1 is a loopback address"),
+        ("http://[::ffff:127.0.0.1]:{port}/fulfil", "is an IPv4-mapped address"),
+    ],
+)
+def test_a_refused_url_is_dead_and_never_sent(
+    conn: psycopg.Connection[Row],
+    factory: Factory,
+    make_worker: MakeWorker,
+    receiver: Receiver,
+    url: str,
+    reason: str,
+) -> None:
+    """Stored before the policy, or written to the table by hand: the worker
+    checks every delivery itself."""
+    shop = shop_at(conn, factory, url.format(port=receiver.port))
+    [row_id] = add_rows(conn, shop, factory.order(shop))
+    make_worker(FAST, destinations=NO_LOCAL_RECEIVERS).run_once()
+    stored = row(conn, row_id)
+    assert stored["state"] == "dead" and reason in stored["last_error"]
+    assert "s3cr3t" not in stored["last_error"]
+    assert receiver.requests() == []
+
+
+def test_plain_http_is_refused_without_the_insecure_flag(
+    conn: psycopg.Connection[Row], factory: Factory, make_worker: MakeWorker, receiver: Receiver
+) -> None:
+    shop = factory.shop(fulfilment_url=receiver.url)
+    [row_id] = add_rows(conn, shop, factory.order(shop))
+    local_https_only = replace(LOCAL_RECEIVERS, allow_insecure=False)
+    make_worker(FAST, destinations=local_https_only).run_once()
+    stored = row(conn, row_id)
+    assert stored["state"] == "dead"
+    assert "PAYHOOK_ALLOW_INSECURE_FULFILMENT=1" in stored["last_error"]
+    assert receiver.requests() == []

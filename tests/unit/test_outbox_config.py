@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import ipaddress
+
 import pytest
 
 from outbox_worker.config import OutboxSettings
+from payhook.destinations import DestinationPolicy
 from payhook.errors import SettingsError
 from payhook.settings import Settings
 
@@ -71,3 +74,14 @@ def test_pool_has_a_connection_for_every_delivery_and_the_claims(
 
     settings = Settings.from_env(env)
     assert pool_size(settings, OutboxSettings.from_settings(settings)) == size
+
+
+def test_the_worker_reads_where_deliveries_may_go() -> None:
+    assert config().destinations == DestinationPolicy()
+    c = config(
+        PAYHOOK_ALLOW_INSECURE_FULFILMENT="1", PAYHOOK_FULFILMENT_ALLOW_NETWORKS="10.20.0.0/16"
+    )
+    assert c.destinations.allow_insecure
+    assert c.destinations.allow_networks == (ipaddress.ip_network("10.20.0.0/16"),)
+    with pytest.raises(SettingsError, match=r"^PAYHOOK_FULFILMENT_ALLOW_NETWORKS: "):
+        config(PAYHOOK_FULFILMENT_ALLOW_NETWORKS="10.20.0.0/16,10.0.0.300/8")

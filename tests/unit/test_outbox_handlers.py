@@ -28,6 +28,7 @@ from outbox_worker.handlers import (
 )
 from payhook.gateways import standard
 from payhook.settings import Secret
+from tests.factories import LOCAL_RECEIVERS
 
 SECRET = standard.generate_secret()
 
@@ -291,7 +292,7 @@ def test_the_worker_client_has_the_deadline_unless_a_proxy_is_configured(
 ) -> None:
     from outbox_worker.main import build_client
 
-    config = OutboxSettings(timeout=0.5)
+    config = OutboxSettings(timeout=0.5, destinations=LOCAL_RECEIVERS)
     monkeypatch.setattr(urllib.request, "getproxies", dict)
     receiver = TricklingReceiver()
     with build_client(config) as client, deadline.within(time.monotonic() + 0.6):
