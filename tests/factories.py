@@ -16,6 +16,13 @@ from control import admin
 from payhook.db import Row, execute
 from payhook.envelope import Envelope
 from payhook.gateways import standard, stripe
+from payhook.sealing import Keyring
+
+#: The key-encryption key of every test process (`PAYHOOK_SECRETS_KEY`): fixed,
+#: so that a database written by one test process opens in another.
+TEST_SECRETS_KEY = "test1:" + "dGVzdC1rZXktZW5jcnlwdGlvbi1rZXktMzItYnl0ZXM="
+#: The keyring `TEST_SECRETS_KEY` makes.
+TEST_KEYRING = Keyring.parse([("PAYHOOK_SECRETS_KEY", TEST_SECRETS_KEY)])
 
 
 @dataclass
@@ -137,8 +144,10 @@ class Factory:
         self.conn = conn
 
     def shop(self, gateway: str = "standard", fulfilment_url: str | None = None) -> Shop:
-        tenant_id = admin.add_tenant(self.conn, f"shop-{uuid.uuid4().hex[:6]}", fulfilment_url)
-        endpoint = admin.add_endpoint(self.conn, tenant_id, gateway)
+        tenant_id = admin.add_tenant(
+            self.conn, f"shop-{uuid.uuid4().hex[:6]}", fulfilment_url, keyring=TEST_KEYRING
+        )
+        endpoint = admin.add_endpoint(self.conn, tenant_id, gateway, keyring=TEST_KEYRING)
         return Shop(tenant_id, endpoint.endpoint_id, endpoint.secret, gateway)
 
     def order(

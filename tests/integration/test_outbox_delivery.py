@@ -22,8 +22,9 @@ from outbox_worker.handlers import Outcome
 from outbox_worker.loop import Worker
 from outbox_worker.main import build_client
 from payhook.db import Pool, Row, create_pool
+from payhook.sealing import tenant_aad
 from payhook.settings import Settings
-from tests.factories import Factory, Shop, StandardEvent
+from tests.factories import TEST_KEYRING, Factory, Shop, StandardEvent
 from tests.receiver import Receiver
 
 #: Short enough that retries come quickly in a test.
@@ -53,7 +54,7 @@ def make_worker(pool: Pool) -> Iterator[MakeWorker]:
     made: list[Worker] = []
 
     def make(config: OutboxSettings, **options: Any) -> Worker:
-        worker = Worker(pool, build_client(config), config, **options)
+        worker = Worker(pool, build_client(config), config, keyring=TEST_KEYRING, **options)
         made.append(worker)
         return worker
 
@@ -84,7 +85,7 @@ def signing_secret(conn: psycopg.Connection[Row], shop: Shop) -> str:
         "SELECT signing_secret FROM payhook.tenants WHERE id = %s", (shop.tenant_id,)
     ).fetchone()
     assert found is not None
-    return str(found["signing_secret"])
+    return TEST_KEYRING.open(found["signing_secret"], tenant_aad(shop.tenant_id))
 
 
 def test_delivery_is_a_signed_post_with_the_idempotency_key(
