@@ -52,7 +52,7 @@ SELECT (SELECT count(*) FROM payhook.tenants
             OR EXISTS (SELECT 1 FROM jsonb_array_elements(e.retired_secrets) AS r
                         WHERE NOT starts_with(r ->> 'secret', %(prefix)s))) AS endpoints
 
--- list_tenant_secrets --
+-- list_tenants_secrets --
 -- Up to %(batch)s tenants' signing secrets after %(after)s, for `payhook secrets check`.
 SELECT id, signing_secret
   FROM payhook.tenants
@@ -60,7 +60,7 @@ SELECT id, signing_secret
  ORDER BY id
  LIMIT %(batch)s
 
--- list_endpoint_secrets --
+-- list_endpoints_secrets --
 -- Up to %(batch)s endpoints' secrets after %(after)s, for `payhook secrets check`.
 SELECT tenant_id, id, secrets, retired_secrets
   FROM payhook.webhook_endpoints
