@@ -41,9 +41,23 @@ Command = Callable[[argparse.Namespace, Settings], int]
 
 def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
     from control.migrations import migrate
+    from control.sealed import reseal_all
+    from payhook.db import connect
+    from payhook.sealing import Keyring
 
     applied = migrate(settings)
     print(f"applied {len(applied)} migration(s)" + (": " + ", ".join(applied) if applied else ""))
+    keyring = Keyring.from_settings(settings)
+    if keyring:
+        # Plaintext an older release wrote is sealed as part of the upgrade.
+        with connect(settings) as conn:
+            sealed = reseal_all(conn, keyring, plaintext_only=True)
+        print(f"sealed the secrets of {sealed.resealed} row(s)")
+        if sealed.remaining:
+            raise PayhookError(
+                f"{sealed.remaining} row(s) still hold plaintext secrets: "
+                + "; ".join(sealed.failures[:3])
+            )
     return 0
 
 
@@ -112,7 +126,7 @@ def cmd_secrets(args: argparse.Namespace, settings: Settings) -> int:
                 )
             )
             return 0 if checked.ok else 1
-        sealed = reseal_all(conn, keyring, args.batch)
+        sealed = reseal_all(conn, keyring, args.batch, plaintext_only=args.action == "seal")
     print(
         json.dumps(
             {
@@ -273,7 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
     ).add_subparsers(dest="action", required=True, metavar="ACTION")
     for action, text in (
         ("rotate-key", "re-seal every secret not under the newest key; resumable; prints JSON"),
-        ("seal", "seal plaintext secrets an older release wrote (same as rotate-key)"),
+        ("seal", "seal plaintext secrets an older release wrote; resumable; prints JSON"),
     ):
         p = add(action, cmd_secrets, text, secrets)
         p.add_argument("--batch", type=int, default=100, help="rows per transaction")

@@ -81,12 +81,16 @@ def reseal_all(
     keyring: Keyring,
     batch: int = DEFAULT_BATCH,
     *,
+    plaintext_only: bool = False,
     stop_after: int | None = None,
 ) -> SealReport:
-    """Seal every stored secret not sealed under the current key, `batch` rows
-    per transaction. `stop_after` ends the run after that many transactions
+    """Seal every stored secret not sealed under the current key (with
+    `plaintext_only`, every row holding plaintext), `batch` rows per
+    transaction. `stop_after` ends the run after that many transactions
     (tests interrupt it so)."""
     prefix = current_prefix(keyring)
+    if plaintext_only:
+        prefix = PREFIX
     report = SealReport()
     transactions = 0
     for attempt in range(MAX_PASSES):

@@ -313,7 +313,7 @@ def run(
         out.say(f"migrations: {len(applied)} applied {' '.join(applied)}".rstrip())
         with connect(child_settings, "up") as conn:
             # Plaintext a release before sealing left in the state folder's database.
-            reseal_all(conn, keyring)
+            reseal_all(conn, keyring, plaintext_only=True)
         demo = ensure_demo(child_settings, options.fulfilment_url, keyring)
         stopping.check()
 

@@ -266,3 +266,18 @@ def test_processes_refuse_to_start_without_a_key_once_secrets_are_sealed(
     assert refused.returncode == 2
     assert "set PAYHOOK_SECRETS_KEY" in refused.stderr
     assert TEST_SECRETS_KEY.split(":")[1] not in refused.stderr + refused.stdout
+
+
+def test_migrate_seals_the_plaintext_an_older_release_left(
+    settings: Settings, factory: Factory
+) -> None:
+    shop = factory.shop()
+    factory.conn.execute(
+        "UPDATE payhook.webhook_endpoints SET secrets = %s WHERE id = %s",
+        ([shop.secret], shop.endpoint_id),
+    )
+    migrated = run_cli(settings, "migrate")
+    assert migrated.returncode == 0, migrated.stderr
+    assert "sealed the secrets of 1 row(s)" in migrated.stdout
+    assert all(v.startswith("sealed:v1:test1:") for v in stored_values(factory.conn))
+    assert check_all(factory.conn, TEST_KEYRING).ok
