@@ -33,6 +33,17 @@ def port(value: str) -> int:
     return number
 
 
+def batch_size(value: str) -> int:
+    """Rows per transaction, 1 to 10000 (argparse type)."""
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {value!r}") from None
+    if not 1 <= number <= 10_000:
+        raise argparse.ArgumentTypeError(f"expected 1 to 10000, got {number}")
+    return number
+
+
 #: Commands that run a service and configure their own logging (to stdout).
 SERVICES = frozenset({"ingress", "consumer", "outbox-worker", "dashboard", "up"})
 
@@ -290,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("seal", "seal plaintext secrets an older release wrote; resumable; prints JSON"),
     ):
         p = add(action, cmd_secrets, text, secrets)
-        p.add_argument("--batch", type=int, default=100, help="rows per transaction")
+        p.add_argument("--batch", type=batch_size, default=100, help="rows per transaction")
     add("check", cmd_secrets, "verify every stored secret opens; exit 1 if not", secrets)
 
     orders = commands.add_parser("orders", help="manage orders").add_subparsers(

@@ -20,7 +20,6 @@ from psycopg.types.json import Jsonb
 from payhook.db import Row, execute, fetch_all, fetch_one
 from payhook.sealing import (
     PREFIX,
-    VERSION,
     Keyring,
     SealingError,
     endpoint_aad,
@@ -68,14 +67,6 @@ class CheckReport:
         return not self.plaintext and not self.failures
 
 
-def current_prefix(keyring: Keyring) -> str:
-    """The start of every value sealed under the current key."""
-    if keyring.current is None:
-        # Sealing would say the same; said here before any row is locked.
-        keyring.seal("", "")
-    return f"{PREFIX}{VERSION}:{keyring.current}:"
-
-
 def reseal_all(
     conn: psycopg.Connection[Row],
     keyring: Keyring,
@@ -88,9 +79,8 @@ def reseal_all(
     `plaintext_only`, every row holding plaintext), `batch` rows per
     transaction. `stop_after` ends the run after that many transactions
     (tests interrupt it so)."""
-    prefix = current_prefix(keyring)
-    if plaintext_only:
-        prefix = PREFIX
+    current = keyring.sealing_prefix()  # without a key, raises before any row is locked
+    prefix = PREFIX if plaintext_only else current
     report = SealReport()
     transactions = 0
     for attempt in range(MAX_PASSES):

@@ -156,16 +156,20 @@ class Keyring:
     def __bool__(self) -> bool:
         return bool(self.keys)
 
-    def seal(self, plaintext: str, aad: str) -> str:
-        """`plaintext` sealed under the current key, bound to `aad`."""
+    def sealing_prefix(self) -> str:
+        """The start of every value sealed under the current key."""
         if self.current is None:
             raise SealingError(
                 f"no key to seal secrets with: set {KEY_VARIABLE} (or {KEY_FILE_VARIABLE})"
             )
+        return f"{PREFIX}{VERSION}:{self.current}:"
+
+    def seal(self, plaintext: str, aad: str) -> str:
+        """`plaintext` sealed under the current key, bound to `aad`."""
+        prefix = self.sealing_prefix()
         nonce = os.urandom(NONCE_BYTES)
-        ciphertext = self.keys[self.current].encrypt(nonce, plaintext.encode(), aad.encode())
-        blob = base64.urlsafe_b64encode(nonce + ciphertext).decode()
-        return f"{PREFIX}{VERSION}:{self.current}:{blob}"
+        ciphertext = self.keys[str(self.current)].encrypt(nonce, plaintext.encode(), aad.encode())
+        return prefix + base64.urlsafe_b64encode(nonce + ciphertext).decode()
 
     def open(self, value: str, aad: str) -> Secret:
         """The plaintext of `value` (as is when it is legacy plaintext).
