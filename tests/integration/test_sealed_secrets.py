@@ -31,6 +31,7 @@ from payhook.sealing import (
 )
 from payhook.settings import Settings
 from tests.factories import TEST_KEYRING, TEST_SECRETS_KEY, Factory, Shop, StandardEvent
+from tests.locks import released_after
 from tests.processes import run_cli
 
 
@@ -281,3 +282,21 @@ def test_migrate_seals_the_plaintext_an_older_release_left(
     assert "sealed the secrets of 1 row(s)" in migrated.stdout
     assert all(v.startswith("sealed:v1:test1:") for v in stored_values(factory.conn))
     assert check_all(factory.conn, TEST_KEYRING).ok
+
+
+def test_rotation_skips_a_row_another_transaction_holds_and_takes_it_later(
+    settings: Settings, factory: Factory
+) -> None:
+    """No wait behind an operator's transaction: the locked row is passed
+    over, the others are resealed, and a later pass takes it once released."""
+    busy, free = factory.shop(), factory.shop()
+    rotated = Keyring.from_settings(
+        keys_settings(settings, f"{generate_key_line('k2')},{TEST_SECRETS_KEY}")
+    )
+    with psycopg.connect(settings.database_url) as holder:
+        holder.execute("SELECT 1 FROM payhook.tenants WHERE id = %s FOR UPDATE", (busy.tenant_id,))
+        with released_after(holder, 0.3) as released:
+            report = reseal_all(factory.conn, rotated)
+        assert released.is_set(), "the lock was held while the first pass ran"
+    assert report.remaining == 0 and report.resealed == 4
+    assert {key_id_of(tenant_secret(factory.conn, s)) for s in (busy, free)} == {"k2"}
