@@ -703,3 +703,29 @@ async def test_probes_however_many_never_take_the_writers_connection(
                 await probes.release(connection)
         assert (await harness.client.get("/readyz")).status_code == 200
         assert len(harness.jobs()) == 3
+
+
+async def test_the_cache_holds_opened_secrets_and_a_copied_one_verifies_nothing(
+    harness: Harness, factory: Factory
+) -> None:
+    """A sealed secret copied from another endpoint's row does not open: that
+    endpoint refuses the copy's signatures, every other endpoint is served."""
+    victim, attacker = factory.shop(), factory.shop()
+    factory.conn.execute(
+        "UPDATE payhook.webhook_endpoints AS v SET secrets = a.secrets"
+        "  FROM payhook.webhook_endpoints AS a WHERE v.id = %s AND a.id = %s",
+        (victim.endpoint_id, attacker.endpoint_id),
+    )
+    with capture_logs() as logs:
+        assert await refresh(harness)
+    [line] = [entry for entry in logs if entry["event"] == "endpoint_secret_unopenable"]
+    assert line["endpoint_id"] == victim.endpoint_id and attacker.secret not in str(line)
+    cached = harness.ingress.cache.get(attacker.endpoint_id)
+    assert cached is not None and cached.secrets == (attacker.secret,)
+
+    event = StandardEvent()
+    body = event.body()
+    forged = await harness.post(victim.endpoint_id, body, event.headers(attacker.secret, body))
+    assert forged.status_code == 401
+    own = await harness.post(attacker.endpoint_id, body, event.headers(attacker.secret, body))
+    assert own.status_code == 202
