@@ -21,9 +21,10 @@ import structlog
 from psycopg.rows import dict_row
 
 from payhook.db import connection_kwargs
-from payhook.endpoints import Endpoint, open_secrets
+from payhook.endpoints import Endpoint, open_secret
 from payhook.queries import query
 from payhook.sealing import Keyring, MissingKey, is_sealed
+from payhook.settings import Secret
 
 log = structlog.get_logger(__name__)
 
@@ -85,6 +86,10 @@ class PostgresEndpoints:
         #: The version of the last full read, and when (monotonic) it was made.
         self._version: int | None = None
         self._read_at = 0.0
+        #: What each stored secret opened to at the last full read, by tenant,
+        #: endpoint and stored value: an unchanged value is not opened again
+        #: (nor logged again when it does not open) while the copy is rebuilt.
+        self._opened: dict[tuple[str, str, str], Secret | None] = {}
 
     async def __call__(self) -> list[Endpoint] | None:
         try:
@@ -108,17 +113,21 @@ class PostgresEndpoints:
         rows = [row for row in rows if row["id"] is not None]
         if not self._keyring and any(is_sealed(s) for row in rows for s in row["secrets"]):
             raise MissingKey()
-        endpoints = [
-            Endpoint(
-                id=str(row["id"]),
-                tenant_id=str(row["tenant_id"]),
-                gateway=row["gateway"],
-                secrets=open_secrets(
-                    self._keyring, str(row["tenant_id"]), str(row["id"]), row["secrets"]
-                ),
-            )
-            for row in rows
-        ]
+        previous, self._opened = self._opened, {}
+        endpoints = []
+        for row in rows:
+            tenant_id, endpoint_id = str(row["tenant_id"]), str(row["id"])
+            secrets = []
+            for value in row["secrets"]:
+                key = (tenant_id, endpoint_id, value)
+                if key in previous:
+                    secret = previous[key]
+                else:
+                    secret = open_secret(self._keyring, tenant_id, endpoint_id, value)
+                self._opened[key] = secret
+                if secret is not None:
+                    secrets.append(secret)
+            endpoints.append(Endpoint(endpoint_id, tenant_id, row["gateway"], tuple(secrets)))
         self._version, self._read_at = version, read_at
         return endpoints
 

@@ -22,9 +22,11 @@ from ingress.endpoints import PostgresEndpoints
 from outbox_worker import claims
 from outbox_worker.main import check_key
 from payhook.db import Row, create_pool
+from payhook.endpoints import Endpoint
 from payhook.sealing import (
     Keyring,
     MissingKey,
+    endpoint_aad,
     generate_key_line,
     key_id_of,
     tenant_aad,
@@ -300,3 +302,36 @@ def test_rotation_skips_a_row_another_transaction_holds_and_takes_it_later(
         assert released.is_set(), "the lock was held while the first pass ran"
     assert report.remaining == 0 and report.resealed == 4
     assert {key_id_of(tenant_secret(factory.conn, s)) for s in (busy, free)} == {"k2"}
+
+
+def test_the_ingress_opens_an_unchanged_secret_once(
+    settings: Settings, factory: Factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every full read rebuilds the copy, holding the event loop: values it
+    has opened before are not opened again."""
+    first, second = factory.shop(), factory.shop()
+    opened: list[str] = []
+    real_open = Keyring.open
+
+    def counting(self: Keyring, value: str, aad: str) -> str:
+        opened.append(aad)
+        return real_open(self, value, aad)
+
+    monkeypatch.setattr(Keyring, "open", counting)
+    loader = PostgresEndpoints(settings.database_url, TEST_KEYRING, full_reload=0)
+
+    async def load_twice() -> list[list[Endpoint] | None]:
+        try:
+            return [await loader(), await loader()]
+        finally:
+            await loader.close()
+
+    once = asyncio.run(load_twice())
+    assert len(opened) == 2
+    assert [{e.id: e.secrets for e in load or []} for load in once] == [
+        {first.endpoint_id: (first.secret,), second.endpoint_id: (second.secret,)}
+    ] * 2
+    admin.rotate_endpoint_secret(factory.conn, first.endpoint_id, keyring=TEST_KEYRING)
+    opened.clear()
+    asyncio.run(load_twice())
+    assert opened == [endpoint_aad(first.tenant_id, first.endpoint_id)]
