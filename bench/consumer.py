@@ -57,7 +57,7 @@ from payhook.envelope import Envelope
 from payhook.gateways import get_gateway
 from payhook.queue import enqueue_event, events_queue
 from payhook.settings import Settings
-from tests.factories import StandardEvent
+from tests.factories import TEST_KEYRING, TEST_SECRETS_KEY, StandardEvent
 from tests.processes import process_env
 
 PG = os.environ.get("PAYHOOK_BENCH_PG", "postgresql://postgres@127.0.0.1:5432")
@@ -70,7 +70,12 @@ def fresh_settings(redis_url: str) -> Settings:
     with psycopg.connect(f"{PG}/postgres", autocommit=True) as conn:
         conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(DB)))
     settings = Settings.from_env(
-        {"DATABASE_URL": f"{PG}/{DB}", "REDIS_URL": redis_url, "PAYHOOK_QUEUE": "payhook-bench"}
+        {
+            "DATABASE_URL": f"{PG}/{DB}",
+            "REDIS_URL": redis_url,
+            "PAYHOOK_QUEUE": "payhook-bench",
+            "PAYHOOK_SECRETS_KEY": TEST_SECRETS_KEY,
+        }
     )
     apply_migrations(settings)
     return settings
@@ -79,8 +84,8 @@ def fresh_settings(redis_url: str) -> Settings:
 def make_events(settings: Settings, count: int) -> tuple[Endpoint, list[Envelope]]:
     """`count` orders and one signed payment event for each."""
     with connect(settings) as conn:
-        tenant = admin.add_tenant(conn, "bench")
-        endpoint = admin.add_endpoint(conn, tenant, "standard")
+        tenant = admin.add_tenant(conn, "bench", keyring=TEST_KEYRING)
+        endpoint = admin.add_endpoint(conn, tenant, "standard", keyring=TEST_KEYRING)
         envelopes = []
         for i in range(count):
             admin.add_order(conn, tenant, f"ref-{i}", f"pi_{i}", 1500, "EUR")

@@ -68,6 +68,7 @@ from payhook.envelope import Envelope
 from payhook.gateways import standard
 from payhook.queue import enqueue_event, events_queue
 from payhook.settings import Settings
+from tests.factories import TEST_KEYRING, TEST_SECRETS_KEY
 
 PG = os.environ.get("PAYHOOK_BENCH_PG", "postgresql://postgres@127.0.0.1:5432")
 DB = "payhook_bench_ingress"
@@ -92,13 +93,18 @@ def scratch_endpoint(redis_url: str, db: str = DB) -> Iterator[tuple[Settings, s
     with psycopg.connect(f"{PG}/postgres", autocommit=True) as conn:
         conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(db)))
     settings = Settings.from_env(
-        {"DATABASE_URL": f"{PG}/{db}", "REDIS_URL": redis_url, "PAYHOOK_QUEUE": "payhook-bench"}
+        {
+            "DATABASE_URL": f"{PG}/{db}",
+            "REDIS_URL": redis_url,
+            "PAYHOOK_QUEUE": "payhook-bench",
+            "PAYHOOK_SECRETS_KEY": TEST_SECRETS_KEY,
+        }
     )
     try:
         apply_migrations(settings)
         with connect(settings) as conn:
-            tenant = admin.add_tenant(conn, "bench")
-            endpoint = admin.add_endpoint(conn, tenant, "standard")
+            tenant = admin.add_tenant(conn, "bench", keyring=TEST_KEYRING)
+            endpoint = admin.add_endpoint(conn, tenant, "standard", keyring=TEST_KEYRING)
         yield settings, endpoint.endpoint_id, endpoint.secret
     finally:
         with psycopg.connect(f"{PG}/postgres", autocommit=True) as conn:
@@ -339,6 +345,7 @@ def main(argv: list[str] | None = None) -> int:
             "REDIS_URL": redis_url,
             "PAYHOOK_QUEUE": settings.queue,
             "PAYHOOK_LOG_LEVEL": "INFO",
+            "PAYHOOK_SECRETS_KEY": TEST_SECRETS_KEY,
         }
         bare_port, ingress_port = spare_port(), spare_port()
         uvicorn_args = ["--no-access-log", "--log-level", "warning"]

@@ -44,7 +44,7 @@ from control.migrations import apply_migrations
 from outbox_worker.config import DEFAULT_BATCH, DEFAULT_CONCURRENCY, DEFAULT_POLL
 from payhook.db import Row, connect, execute
 from payhook.settings import Settings
-from tests.factories import LOCAL_RECEIVER_SETTINGS, LOCAL_RECEIVERS
+from tests.factories import LOCAL_RECEIVER_SETTINGS, LOCAL_RECEIVERS, TEST_KEYRING, TEST_SECRETS_KEY
 from tests.receiver import Receiver
 
 PG = os.environ.get("PAYHOOK_BENCH_PG", "postgresql://postgres@127.0.0.1:5432")
@@ -54,7 +54,9 @@ DB = "payhook_bench_outbox"
 def fresh_settings() -> Settings:
     with psycopg.connect(f"{PG}/postgres", autocommit=True) as conn:
         conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(DB)))
-    settings = Settings.from_env({"DATABASE_URL": f"{PG}/{DB}"})
+    settings = Settings.from_env(
+        {"DATABASE_URL": f"{PG}/{DB}", "PAYHOOK_SECRETS_KEY": TEST_SECRETS_KEY}
+    )
     apply_migrations(settings)
     return settings
 
@@ -92,7 +94,9 @@ class Rows:
 
     def __init__(self, conn: psycopg.Connection[Row], url: str) -> None:
         self.conn = conn
-        self.tenant = admin.add_tenant(conn, "bench", url, destinations=LOCAL_RECEIVERS)
+        self.tenant = admin.add_tenant(
+            conn, "bench", url, keyring=TEST_KEYRING, destinations=LOCAL_RECEIVERS
+        )
         self.order = admin.add_order(conn, self.tenant, "ref-1", "pi_1", 1500, "EUR")
 
     def insert(self, count: int) -> list[str]:
@@ -144,7 +148,11 @@ class Tail:
 
 def start_workers(settings: Settings, count: int, logdir: Path) -> list[subprocess.Popen[bytes]]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PAYHOOK_")}
-    env |= {"DATABASE_URL": str(settings.database_url), "PAYHOOK_LOG_LEVEL": "INFO"}
+    env |= {
+        "DATABASE_URL": str(settings.database_url),
+        "PAYHOOK_LOG_LEVEL": "INFO",
+        "PAYHOOK_SECRETS_KEY": TEST_SECRETS_KEY,
+    }
     env |= LOCAL_RECEIVER_SETTINGS
     script = Path(sys.executable).with_name("payhook")
     command = [str(script)] if script.exists() else [sys.executable, "-m", "control.cli"]

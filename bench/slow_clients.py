@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 from bench.ingress import scratch_endpoint, signed_requests, wait_ready
 from bench.services import private_redis, spare_port, wait_for_port
+from tests.factories import TEST_SECRETS_KEY
 
 #: Body size slow senders declare, in bytes: the default PAYHOOK_MAX_BODY.
 DECLARED = 256 * 1024
@@ -182,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         ]
         env = dict(os.environ) | {
             "DATABASE_URL": settings.database_url,
+            "PAYHOOK_SECRETS_KEY": TEST_SECRETS_KEY,
             "REDIS_URL": redis_url,
             "PAYHOOK_QUEUE": settings.queue,
             "PAYHOOK_LOG_LEVEL": "WARNING",

@@ -52,7 +52,7 @@ from payhook.db import Row, connect
 from payhook.envelope import Envelope
 from payhook.queue import enqueue_event, events_queue
 from payhook.settings import Settings
-from tests.factories import StandardEvent
+from tests.factories import TEST_KEYRING, TEST_SECRETS_KEY, StandardEvent
 from tests.processes import process_env, start, stop, wait_until
 
 PG = os.environ.get("PAYHOOK_BENCH_PG", "postgresql://postgres@127.0.0.1:5432")
@@ -219,8 +219,8 @@ class _Endpoint:
 
 
 def _shop(conn: psycopg.Connection[Row]) -> tuple[_Tenant, _Endpoint]:
-    tenant = admin.add_tenant(conn, "rehearsal")
-    endpoint = admin.add_endpoint(conn, tenant, "standard")
+    tenant = admin.add_tenant(conn, "rehearsal", keyring=TEST_KEYRING)
+    endpoint = admin.add_endpoint(conn, tenant, "standard", keyring=TEST_KEYRING)
     return _Tenant(tenant), _Endpoint(endpoint.endpoint_id, endpoint.secret)
 
 
@@ -456,6 +456,7 @@ def main() -> None:
     settings = Settings.from_env(
         {
             "DATABASE_URL": f"{PG}/{DB}",
+            "PAYHOOK_SECRETS_KEY": TEST_SECRETS_KEY,
             "REDIS_URL": REDIS,
             "PAYHOOK_QUEUE": "payhook-rehearsal",
             # The figures are read from the finished jobs once the run is over.

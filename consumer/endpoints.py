@@ -8,7 +8,8 @@ from datetime import datetime
 import psycopg
 
 from payhook.db import Row, fetch_one
-from payhook.endpoints import Endpoint
+from payhook.endpoints import Endpoint, open_secret, open_secrets
+from payhook.sealing import Keyring
 
 #: Seconds an endpoint's secrets are trusted before they are read again.
 ENDPOINT_TTL = 5.0
@@ -17,9 +18,11 @@ ENDPOINT_TTL = 5.0
 class EndpointCache:
     """Endpoints by id. A rotated-in secret is found at once (a failed
     verification re-reads the row); a retired one stops verifying within
-    ENDPOINT_TTL seconds."""
+    ENDPOINT_TTL seconds. Sealed secrets are opened with `keyring` as they are
+    read; one that does not open verifies nothing."""
 
-    def __init__(self, ttl: float = ENDPOINT_TTL) -> None:
+    def __init__(self, keyring: Keyring, ttl: float = ENDPOINT_TTL) -> None:
+        self.keyring = keyring
         self.ttl = ttl
         self._entries: dict[str, tuple[Endpoint, float]] = {}
 
@@ -34,15 +37,19 @@ class EndpointCache:
         if row is None:
             self._entries.pop(endpoint_id, None)
             return None, True
+        tenant_id, found_id = str(row["tenant_id"]), str(row["id"])
+        retired = (
+            (open_secret(self.keyring, tenant_id, found_id, r["secret"]), r["retired_at"])
+            for r in row["retired_secrets"]
+            if isinstance(r.get("secret"), str)  # a NULL written by hand is no secret
+        )
         endpoint = Endpoint(
-            id=str(row["id"]),
-            tenant_id=str(row["tenant_id"]),
+            id=found_id,
+            tenant_id=tenant_id,
             gateway=row["gateway"],
-            secrets=tuple(row["secrets"]),
+            secrets=open_secrets(self.keyring, tenant_id, found_id, row["secrets"]),
             retired=tuple(
-                (r["secret"], datetime.fromisoformat(r["retired_at"]))
-                for r in row["retired_secrets"]
-                if isinstance(r.get("secret"), str)  # a NULL written by hand is no secret
+                (secret, datetime.fromisoformat(at)) for secret, at in retired if secret is not None
             ),
         )
         self._entries[endpoint_id] = (endpoint, time.monotonic())

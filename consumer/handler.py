@@ -29,6 +29,7 @@ from payhook.gateways.storable import (
     unreadable_event_id,
 )
 from payhook.horizon import receipt_horizon
+from payhook.sealing import Keyring
 from payhook.settings import Settings
 
 log = structlog.get_logger(__name__)
@@ -43,9 +44,13 @@ class Runtime:
 
     settings: Settings
     pool: Pool
-    endpoints: EndpointCache = field(default_factory=EndpointCache)
     #: Where transaction retries are counted for alerts; None in unit tests.
     redis: Redis | None = None
+    #: Endpoints, their secrets opened with the settings' keys.
+    endpoints: EndpointCache = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.endpoints = EndpointCache(Keyring.from_settings(self.settings))
 
 
 def handle(runtime: Runtime, data: object) -> Applied:

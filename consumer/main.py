@@ -15,6 +15,7 @@ from payhook.db import Pool, create_pool, error_summary, pooled_connection
 from payhook.logs import configure_logging
 from payhook.outcomes import check_outcomes
 from payhook.queue import redis_connection
+from payhook.sealing import Keyring, require_key
 from payhook.settings import Settings
 
 log = structlog.get_logger(__name__)
@@ -57,7 +58,7 @@ def run(settings: Settings, burst: bool = False) -> int:
     )
     pool.open(wait=False)
     try:
-        check_schema(pool)
+        check_schema(pool, Keyring.from_settings(settings))
         worker = build_worker(settings)
         applier = worker.applier = Applier(
             Runtime(settings=settings, pool=pool, redis=worker.connection)
@@ -78,15 +79,17 @@ def run(settings: Settings, burst: bool = False) -> int:
     return 0
 
 
-def check_schema(pool: Pool) -> None:
+def check_schema(pool: Pool, keyring: Keyring) -> None:
     """Refuse to start on a database whose lists of outcomes are not this
-    release's (`OutcomesMismatch`). While PostgreSQL cannot answer, wait for
+    release's (`OutcomesMismatch`), or whose secrets are sealed while no key
+    is configured (`MissingKey`). While PostgreSQL cannot answer, wait for
     it: no job could be applied meanwhile, and one taken would spend its retries.
     """
     while True:
         try:
             with pooled_connection(pool) as conn:
                 check_outcomes(conn)
+                require_key(conn, keyring)
             return
         except psycopg.OperationalError as exc:
             log.warning("outcomes_check_waiting", error=error_summary(exc))

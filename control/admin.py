@@ -13,6 +13,7 @@ from payhook.db import Row, execute, fetch_one
 from payhook.destinations import DestinationPolicy, DestinationRefused, Resolve, resolve_host
 from payhook.errors import NotFound, PayhookError
 from payhook.gateways import generate_secret, get_gateway, standard
+from payhook.sealing import Keyring, endpoint_aad, tenant_aad
 
 #: Days a retired secret still verifies jobs received before its retirement:
 #: longer than a job stays in the dead-letter queue (payhook.queue.FAILURE_TTL).
@@ -37,11 +38,13 @@ def add_tenant(
     name: str,
     fulfilment_url: str | None = None,
     *,
+    keyring: Keyring,
     destinations: DestinationPolicy = DestinationPolicy(),  # noqa: B008 - frozen, the strict one
     resolve: Resolve = resolve_host,
 ) -> str:
-    """Create a tenant; its fulfilment URL, if any, must be one `destinations`
-    allows (by default the strict policy: https to public addresses only)."""
+    """Create a tenant, its signing secret sealed with `keyring`; its
+    fulfilment URL, if any, must be one `destinations` allows (by default the
+    strict policy: https to public addresses only)."""
     if not name.strip():
         raise PayhookError("a tenant needs a non-empty name")
     if fulfilment_url is not None:
@@ -56,17 +59,23 @@ def add_tenant(
                 "id": tenant_id,
                 "name": name,
                 "fulfilment_url": fulfilment_url,
-                "signing_secret": standard.generate_secret(),
+                "signing_secret": keyring.seal(standard.generate_secret(), tenant_aad(tenant_id)),
             },
         )
     return tenant_id
 
 
 def add_endpoint(
-    conn: psycopg.Connection[Row], tenant_id: str, gateway: str, secret: str | None = None
+    conn: psycopg.Connection[Row],
+    tenant_id: str,
+    gateway: str,
+    secret: str | None = None,
+    *,
+    keyring: Keyring,
 ) -> NewEndpoint:
     get_gateway(gateway)
     secret = _checked_secret(gateway, secret or generate_secret(gateway))
+    tenant_id = _uuid(tenant_id, "--tenant")
     endpoint_id = str(uuid.uuid4())
     try:
         with conn.transaction():
@@ -74,10 +83,10 @@ def add_endpoint(
                 conn,
                 "insert_endpoint",
                 {
-                    "tenant_id": _uuid(tenant_id, "--tenant"),
+                    "tenant_id": tenant_id,
                     "id": endpoint_id,
                     "gateway": gateway,
-                    "secrets": [secret],
+                    "secrets": [keyring.seal(secret, endpoint_aad(tenant_id, endpoint_id))],
                 },
             )
     except psycopg.errors.ForeignKeyViolation:
@@ -86,7 +95,11 @@ def add_endpoint(
 
 
 def rotate_endpoint_secret(
-    conn: psycopg.Connection[Row], endpoint_id: str, secret: str | None = None
+    conn: psycopg.Connection[Row],
+    endpoint_id: str,
+    secret: str | None = None,
+    *,
+    keyring: Keyring,
 ) -> str:
     """Add a new secret in front of the old ones; both verify until retired."""
     with conn.transaction():
@@ -94,7 +107,8 @@ def rotate_endpoint_secret(
         if row is None:
             raise NotFound(f"no endpoint {endpoint_id}")
         secret = _checked_secret(row["gateway"], secret or generate_secret(row["gateway"]))
-        execute(conn, "add_endpoint_secret", {"id": endpoint_id, "secret": secret})
+        sealed = keyring.seal(secret, endpoint_aad(str(row["tenant_id"]), str(row["id"])))
+        execute(conn, "add_endpoint_secret", {"id": endpoint_id, "secret": sealed})
     return secret
 
 

@@ -33,6 +33,17 @@ def port(value: str) -> int:
     return number
 
 
+def batch_size(value: str) -> int:
+    """Rows per transaction, 1 to 10000 (argparse type)."""
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {value!r}") from None
+    if not 1 <= number <= 10_000:
+        raise argparse.ArgumentTypeError(f"expected 1 to 10000, got {number}")
+    return number
+
+
 #: Commands that run a service and configure their own logging (to stdout).
 SERVICES = frozenset({"ingress", "consumer", "outbox-worker", "dashboard", "up"})
 
@@ -41,9 +52,23 @@ Command = Callable[[argparse.Namespace, Settings], int]
 
 def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
     from control.migrations import migrate
+    from control.sealed import reseal_all
+    from payhook.db import connect
+    from payhook.sealing import Keyring
 
     applied = migrate(settings)
     print(f"applied {len(applied)} migration(s)" + (": " + ", ".join(applied) if applied else ""))
+    keyring = Keyring.from_settings(settings)
+    if keyring:
+        # Plaintext an older release wrote is sealed as part of the upgrade.
+        with connect(settings) as conn:
+            sealed = reseal_all(conn, keyring, plaintext_only=True)
+        print(f"sealed the secrets of {sealed.resealed} row(s)")
+        if sealed.remaining:
+            raise PayhookError(
+                f"{sealed.remaining} row(s) still hold plaintext secrets: "
+                + "; ".join(sealed.failures[:3])
+            )
     return 0
 
 
@@ -51,19 +76,27 @@ def cmd_tenants_add(args: argparse.Namespace, settings: Settings) -> int:
     from control.admin import add_tenant
     from payhook.db import connect
     from payhook.destinations import DestinationPolicy
+    from payhook.sealing import Keyring
 
     destinations = DestinationPolicy.from_settings(settings)
+    keyring = Keyring.from_settings(settings)
     with connect(settings) as conn:
-        print(add_tenant(conn, args.name, args.fulfilment_url, destinations=destinations))
+        print(
+            add_tenant(
+                conn, args.name, args.fulfilment_url, keyring=keyring, destinations=destinations
+            )
+        )
     return 0
 
 
 def cmd_endpoints_add(args: argparse.Namespace, settings: Settings) -> int:
     from control.admin import add_endpoint
     from payhook.db import connect
+    from payhook.sealing import Keyring
 
+    keyring = Keyring.from_settings(settings)
     with connect(settings) as conn:
-        endpoint = add_endpoint(conn, args.tenant, args.gateway, args.secret)
+        endpoint = add_endpoint(conn, args.tenant, args.gateway, args.secret, keyring=keyring)
     print(json.dumps(endpoint.__dict__))
     return 0
 
@@ -71,9 +104,11 @@ def cmd_endpoints_add(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_endpoints_rotate(args: argparse.Namespace, settings: Settings) -> int:
     from control.admin import rotate_endpoint_secret
     from payhook.db import connect
+    from payhook.sealing import Keyring
 
+    keyring = Keyring.from_settings(settings)
     with connect(settings) as conn:
-        secret = rotate_endpoint_secret(conn, args.endpoint, args.secret)
+        secret = rotate_endpoint_secret(conn, args.endpoint, args.secret, keyring=keyring)
     print(json.dumps({"endpoint_id": args.endpoint, "secret": secret}))
     return 0
 
@@ -86,6 +121,40 @@ def cmd_endpoints_retire(args: argparse.Namespace, settings: Settings) -> int:
         retire_old_secrets(conn, args.endpoint)
     print(json.dumps({"endpoint_id": args.endpoint, "retired": True}))
     return 0
+
+
+def cmd_secrets(args: argparse.Namespace, settings: Settings) -> int:
+    from control.sealed import check_all, reseal_all
+    from payhook.db import connect
+    from payhook.sealing import Keyring
+
+    keyring = Keyring.from_settings(settings)
+    with connect(settings) as conn:
+        if args.action == "check":
+            checked = check_all(conn, keyring)
+            print(
+                json.dumps(
+                    {
+                        "opened": checked.opened,
+                        "by_key": checked.by_key,
+                        "plaintext": checked.plaintext,
+                        "failures": checked.failures,
+                    }
+                )
+            )
+            return 0 if checked.ok else 1
+        sealed = reseal_all(conn, keyring, args.batch, plaintext_only=args.action == "seal")
+    print(
+        json.dumps(
+            {
+                "key": keyring.current,
+                "resealed": sealed.resealed,
+                "remaining": sealed.remaining,
+                "failures": sealed.failures,
+            }
+        )
+    )
+    return 0 if sealed.remaining == 0 else 1
 
 
 def cmd_orders_add(args: argparse.Namespace, settings: Settings) -> int:
@@ -229,6 +298,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--secret", help="the new secret (generated when omitted)")
     p = add("retire-secrets", cmd_endpoints_retire, "keep only the newest secret", endpoints)
     p.add_argument("endpoint")
+
+    secrets = commands.add_parser(
+        "secrets", help="stored secrets, sealed under PAYHOOK_SECRETS_KEY"
+    ).add_subparsers(dest="action", required=True, metavar="ACTION")
+    for action, text in (
+        ("rotate-key", "re-seal every secret not under the newest key; resumable; prints JSON"),
+        ("seal", "seal plaintext secrets an older release wrote; resumable; prints JSON"),
+    ):
+        p = add(action, cmd_secrets, text, secrets)
+        p.add_argument("--batch", type=batch_size, default=100, help="rows per transaction")
+    add("check", cmd_secrets, "verify every stored secret opens; exit 1 if not", secrets)
 
     orders = commands.add_parser("orders", help="manage orders").add_subparsers(
         dest="action", required=True, metavar="ACTION"

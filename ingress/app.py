@@ -19,6 +19,7 @@ from ingress.endpoints import EndpointCache, Loader, PostgresEndpoints, Refreshe
 from ingress.enqueue import Enqueuer
 from ingress.metrics import Metrics
 from ingress.routes import ROUTES, WEBHOOK_PREFIX, receive_webhook
+from payhook.sealing import Keyring
 from payhook.settings import Settings
 
 
@@ -33,7 +34,9 @@ class Ingress:
         self.cache = EndpointCache()
         self._postgres: PostgresEndpoints | None = None
         if load_endpoints is None:
-            self._postgres = load_endpoints = PostgresEndpoints(settings.database_url)
+            self._postgres = load_endpoints = PostgresEndpoints(
+                settings.database_url, Keyring.from_settings(settings)
+            )
         self.refresher = Refresher(
             self.cache, load_endpoints, settings.endpoint_refresh, on_result=self._count_refresh
         )

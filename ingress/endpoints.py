@@ -21,8 +21,10 @@ import structlog
 from psycopg.rows import dict_row
 
 from payhook.db import connection_kwargs
-from payhook.endpoints import Endpoint
+from payhook.endpoints import Endpoint, open_secret
 from payhook.queries import query
+from payhook.sealing import Keyring, MissingKey, is_sealed
+from payhook.settings import Secret
 
 log = structlog.get_logger(__name__)
 
@@ -71,15 +73,23 @@ class EndpointCache:
 
 class PostgresEndpoints:
     """Reads the endpoints over one connection, reconnecting after a failure:
-    all of them when their version moved since the last read, else nothing."""
+    all of them when their version moved since the last read, else nothing.
+    Sealed secrets are opened here, so the cache holds them only in memory."""
 
-    def __init__(self, database_url: str, full_reload: float = FULL_RELOAD) -> None:
+    def __init__(
+        self, database_url: str, keyring: Keyring, full_reload: float = FULL_RELOAD
+    ) -> None:
         self._url = database_url
+        self._keyring = keyring
         self._full_reload = full_reload
         self._conn: psycopg.AsyncConnection[psycopg.rows.DictRow] | None = None
         #: The version of the last full read, and when (monotonic) it was made.
         self._version: int | None = None
         self._read_at = 0.0
+        #: What each stored secret opened to at the last full read, by tenant,
+        #: endpoint and stored value: an unchanged value is not opened again
+        #: (nor logged again when it does not open) while the copy is rebuilt.
+        self._opened: dict[tuple[str, str, str], Secret | None] = {}
 
     async def __call__(self) -> list[Endpoint] | None:
         try:
@@ -99,17 +109,27 @@ class PostgresEndpoints:
         except BaseException:
             await self.close()
             raise
-        self._version, self._read_at = (rows[0]["version"] if rows else None), read_at
-        return [
-            Endpoint(
-                id=str(row["id"]),
-                tenant_id=str(row["tenant_id"]),
-                gateway=row["gateway"],
-                secrets=tuple(row["secrets"]),
-            )
-            for row in rows
-            if row["id"] is not None
-        ]
+        version = rows[0]["version"] if rows else None
+        rows = [row for row in rows if row["id"] is not None]
+        if not self._keyring and any(is_sealed(s) for row in rows for s in row["secrets"]):
+            raise MissingKey()
+        previous, self._opened = self._opened, {}
+        endpoints = []
+        for row in rows:
+            tenant_id, endpoint_id = str(row["tenant_id"]), str(row["id"])
+            secrets = []
+            for value in row["secrets"]:
+                key = (tenant_id, endpoint_id, value)
+                if key in previous:
+                    secret = previous[key]
+                else:
+                    secret = open_secret(self._keyring, tenant_id, endpoint_id, value)
+                self._opened[key] = secret
+                if secret is not None:
+                    secrets.append(secret)
+            endpoints.append(Endpoint(endpoint_id, tenant_id, row["gateway"], tuple(secrets)))
+        self._version, self._read_at = version, read_at
+        return endpoints
 
     async def close(self) -> None:
         conn, self._conn = self._conn, None
@@ -137,6 +157,14 @@ class Refresher:
         try:
             async with asyncio.timeout(REFRESH_TIMEOUT):
                 endpoints = await self.load()
+        except MissingKey as exc:
+            # A configuration error, not an outage: the first load, at start,
+            # stops the process with the message; later, the last copy serves.
+            log.error("endpoints_refresh_failed", error=str(exc))
+            self._report(False)
+            if not self.cache.loaded:
+                raise
+            return False
         except Exception as exc:
             # The database away (psycopg.Error, OSError, TimeoutError) or
             # anything else: the last good copy serves and the loop goes on;

@@ -17,6 +17,7 @@ import psycopg
 
 from payhook.db import Row, execute, fetch_all, fetch_one
 from payhook.errors import PayhookError
+from payhook.sealing import Keyring, SealingError, tenant_aad
 from payhook.settings import Secret
 
 #: Longest `last_error` stored, in characters.
@@ -43,8 +44,10 @@ class Claim:
     claimed_until: datetime
     #: Null: the tenant has no URL and the log handler records the effect.
     fulfilment_url: str | None
-    #: Null only when the tenant no longer exists.
+    #: Null when the tenant no longer exists, or its secret does not open.
     signing_secret: Secret | None
+    #: Why the tenant's sealed secret did not open (names the key, never the secret).
+    secret_error: str | None = None
 
     @property
     def idempotency_key(self) -> str:
@@ -56,10 +59,13 @@ class Claim:
         return {"tenant_id": self.tenant_id, "id": self.id, "claim_token": self.token}
 
 
-def claim_due_rows(conn: psycopg.Connection[Row], batch: int, lease: float) -> list[Claim]:
-    """Claim up to `batch` due rows for `lease` seconds; committed when this returns."""
+def claim_due_rows(
+    conn: psycopg.Connection[Row], batch: int, lease: float, keyring: Keyring
+) -> list[Claim]:
+    """Claim up to `batch` due rows for `lease` seconds; committed when this
+    returns. Each tenant's sealed signing secret is opened with `keyring`."""
     rows = fetch_all(conn, "claim_outbox_rows", {"batch": batch, "lease": lease})
-    return [_claim(row) for row in rows]
+    return [_claim(row, keyring) for row in rows]
 
 
 def mark_delivered(conn: psycopg.Connection[Row], claim: Claim) -> None:
@@ -101,8 +107,13 @@ def _fenced(conn: psycopg.Connection[Row], name: str, claim: Claim, params: dict
         raise StaleClaim(f"outbox row {claim.id}: claim {claim.token} is no longer current")
 
 
-def _claim(row: Row) -> Claim:
-    secret = row["signing_secret"]
+def _claim(row: Row, keyring: Keyring) -> Claim:
+    secret, error = row["signing_secret"], None
+    if secret is not None:
+        try:
+            secret = keyring.open(secret, tenant_aad(str(row["tenant_id"])))
+        except SealingError as exc:
+            secret, error = None, str(exc)
     return Claim(
         tenant_id=str(row["tenant_id"]),
         id=str(row["id"]),
@@ -115,4 +126,5 @@ def _claim(row: Row) -> Claim:
         claimed_until=row["claimed_until"],
         fulfilment_url=row["fulfilment_url"],
         signing_secret=Secret(secret) if secret is not None else None,
+        secret_error=error,
     )

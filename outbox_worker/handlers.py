@@ -58,6 +58,9 @@ class Outcome:
 
 def deliver(client: httpx.Client, claim: Claim) -> Outcome:
     """Perform the row's side effect with the handler its tenant calls for."""
+    if claim.secret_error is not None:
+        # Retried: the row delivers once the key that opens the secret is configured.
+        return Outcome("retry", "none", error=f"tenant signing secret: {claim.secret_error}")
     if claim.signing_secret is None:
         return Outcome("dead", "none", error="tenant not found")
     if claim.fulfilment_url is None:

@@ -34,6 +34,7 @@ from outbox_worker.config import OutboxSettings
 from outbox_worker.deadline import within
 from outbox_worker.handlers import Outcome, deliver
 from payhook.db import Pool, Row, pooled_connection
+from payhook.sealing import Keyring
 
 log = structlog.get_logger(__name__)
 
@@ -61,10 +62,13 @@ class Worker:
         client: httpx.Client,
         config: OutboxSettings,
         *,
+        keyring: Keyring,
         listen: Connect | None = None,
         deliver: Deliver = deliver,
     ) -> None:
         self.pool = pool
+        #: Opens tenants' sealed signing secrets.
+        self.keyring = keyring
         self.client = client
         self.config = config
         self.listen = listen
@@ -119,7 +123,7 @@ class Worker:
         """Claim one batch and see every row to a recorded result; the number claimed."""
         started = time.monotonic()
         with pooled_connection(self.pool) as conn:
-            batch = claims.claim_due_rows(conn, self.config.batch, self.config.lease)
+            batch = claims.claim_due_rows(conn, self.config.batch, self.config.lease, self.keyring)
         if not batch:
             return 0
         # The lease began no earlier than `started` on the database's clock too.

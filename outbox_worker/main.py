@@ -17,9 +17,10 @@ import structlog
 from outbox_worker import deadline, egress
 from outbox_worker.config import OutboxSettings
 from outbox_worker.loop import Worker
-from payhook.db import Row, connect, create_pool
+from payhook.db import Row, connect, create_pool, error_summary
 from payhook.destinations import describe
 from payhook.logs import configure_logging
+from payhook.sealing import Keyring, require_key
 from payhook.settings import Settings
 
 log = structlog.get_logger(__name__)
@@ -87,13 +88,15 @@ def run(settings: Settings, once: bool = False) -> int:
     # our own line per delivery says what happened without it.
     logging.getLogger("httpx").setLevel(logging.WARNING)
     config = OutboxSettings.from_settings(settings)
+    keyring = Keyring.from_settings(settings)
+    check_key(settings, keyring)
     pool = create_pool(settings, "outbox-worker", size=pool_size(settings, config))
     client = build_client(config)
 
     def listen() -> psycopg.Connection[Row]:
         return connect(settings, "outbox-listen")
 
-    worker = Worker(pool, client, config, listen=None if once else listen)
+    worker = Worker(pool, client, config, keyring=keyring, listen=None if once else listen)
 
     stopped_by: list[str] = []
 
@@ -129,6 +132,19 @@ def run(settings: Settings, once: bool = False) -> int:
         pool.close()
     log.info("outbox_worker_stopped")
     return 0
+
+
+def check_key(settings: Settings, keyring: Keyring) -> None:
+    """Refuse to start without a key while sealed secrets exist (`MissingKey`).
+    With PostgreSQL away the check is left to the claims: a row whose
+    tenant's secret does not open is retried with an error naming the setting."""
+    if keyring:
+        return
+    try:
+        with connect(settings, "outbox-worker") as conn:
+            require_key(conn, keyring)
+    except psycopg.OperationalError as exc:
+        log.warning("secrets_key_check_skipped", error=error_summary(exc))
 
 
 def until_stopped(loop: Callable[[], T], worker: Worker, stopped_by: list[str]) -> T:

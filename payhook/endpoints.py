@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
+import structlog
+
+from payhook.sealing import Keyring, SealingError, endpoint_aad
 from payhook.settings import Secret
+
+log = structlog.get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -32,3 +38,27 @@ class Endpoint:
         `received_at` is the ingress's clock, `retired_at` the database's)."""
         since = received_at - grace
         return self.secrets + tuple(s for s, retired_at in self.retired if retired_at > since)
+
+
+def open_secret(keyring: Keyring, tenant_id: str, endpoint_id: str, value: str) -> Secret | None:
+    """An endpoint's stored secret opened; None, logged, when it does not open
+    (a wrong key, or a value copied from another endpoint): that secret then
+    verifies nothing, and the endpoint's other secrets still do."""
+    try:
+        return keyring.open(value, endpoint_aad(tenant_id, endpoint_id))
+    except SealingError as exc:
+        log.error(
+            "endpoint_secret_unopenable",
+            endpoint_id=endpoint_id,
+            tenant_id=tenant_id,
+            error=str(exc),
+        )
+        return None
+
+
+def open_secrets(
+    keyring: Keyring, tenant_id: str, endpoint_id: str, values: Iterable[str]
+) -> tuple[str, ...]:
+    """The stored secrets that open, in their order."""
+    opened = (open_secret(keyring, tenant_id, endpoint_id, v) for v in values)
+    return tuple(s for s in opened if s is not None)

@@ -186,7 +186,12 @@ class Settings:
         values["env"] = environ.get("PAYHOOK_ENV", "dev")
         faults = environ.get("PAYHOOK_FAULTS", "")
         values["faults"] = frozenset(f.strip() for f in faults.split(",") if f.strip())
-        values["extra"] = {k: v for k, v in environ.items() if k.startswith("PAYHOOK_")}
+        # A key-encryption key (payhook.sealing) must not show in a repr of the settings.
+        values["extra"] = {
+            k: Secret(v) if k == "PAYHOOK_SECRETS_KEY" else v
+            for k, v in environ.items()
+            if k.startswith("PAYHOOK_")
+        }
         return cls(**values)
 
     def get(self, name: str, default: str | None = None) -> str | None:

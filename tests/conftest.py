@@ -21,7 +21,7 @@ from consumer.handler import Runtime
 from control.migrations import apply_migrations
 from payhook.db import Row, connect, create_pool
 from payhook.settings import Settings
-from tests.factories import Factory
+from tests.factories import TEST_SECRETS_KEY, Factory
 
 #: Server the tests create their databases on.
 PG_SERVER = os.environ.get("PAYHOOK_TEST_PG", "postgresql://postgres@127.0.0.1:5432")
@@ -54,6 +54,7 @@ def test_settings(database: str, **extra: str) -> Settings:
         "REDIS_URL": REDIS_TEST_URL,
         # A queue of its own per test: a stray worker of another run cannot take its jobs.
         "PAYHOOK_QUEUE": f"payhook-test-{database}",
+        "PAYHOOK_SECRETS_KEY": TEST_SECRETS_KEY,
     } | extra
     return Settings.from_env(env)
 

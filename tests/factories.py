@@ -17,6 +17,7 @@ from payhook.db import Row, execute
 from payhook.destinations import DestinationPolicy
 from payhook.envelope import Envelope
 from payhook.gateways import standard, stripe
+from payhook.sealing import Keyring
 from payhook.settings import Settings
 
 #: The destinations tests deliver to: receivers on this machine, over http.
@@ -25,6 +26,12 @@ LOCAL_RECEIVER_SETTINGS = {
     "PAYHOOK_FULFILMENT_ALLOW_NETWORKS": "127.0.0.0/8",
 }
 LOCAL_RECEIVERS = DestinationPolicy.from_settings(Settings.from_env(LOCAL_RECEIVER_SETTINGS))
+
+#: The key-encryption key of every test process (`PAYHOOK_SECRETS_KEY`): fixed,
+#: so that a database written by one test process opens in another.
+TEST_SECRETS_KEY = "test1:" + "dGVzdC1rZXktZW5jcnlwdGlvbi1rZXktMzItYnl0ZXM="
+#: The keyring `TEST_SECRETS_KEY` makes.
+TEST_KEYRING = Keyring.parse([("PAYHOOK_SECRETS_KEY", TEST_SECRETS_KEY)])
 
 
 @dataclass
@@ -147,9 +154,13 @@ class Factory:
 
     def shop(self, gateway: str = "standard", fulfilment_url: str | None = None) -> Shop:
         tenant_id = admin.add_tenant(
-            self.conn, f"shop-{uuid.uuid4().hex[:6]}", fulfilment_url, destinations=LOCAL_RECEIVERS
+            self.conn,
+            f"shop-{uuid.uuid4().hex[:6]}",
+            fulfilment_url,
+            keyring=TEST_KEYRING,
+            destinations=LOCAL_RECEIVERS,
         )
-        endpoint = admin.add_endpoint(self.conn, tenant_id, gateway)
+        endpoint = admin.add_endpoint(self.conn, tenant_id, gateway, keyring=TEST_KEYRING)
         return Shop(tenant_id, endpoint.endpoint_id, endpoint.secret, gateway)
 
     def order(

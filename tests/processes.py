@@ -22,6 +22,11 @@ def process_env(settings: Settings, **extra: str) -> dict[str, str]:
         "PAYHOOK_QUEUE": settings.queue,
         "PAYHOOK_LOG_LEVEL": "INFO",
     }
+    # The key-encryption keys the settings name (a process opens the secrets with them).
+    for name in ("PAYHOOK_SECRETS_KEY", "PAYHOOK_SECRETS_KEY_FILE"):
+        value = settings.get(name)
+        if value:
+            env[name] = str(value)
     return env | extra
 
 

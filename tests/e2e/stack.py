@@ -31,8 +31,9 @@ from rq.registry import FailedJobRegistry, ScheduledJobRegistry, StartedJobRegis
 from control import admin
 from payhook.db import Row, connect
 from payhook.queue import events_queue
+from payhook.sealing import Keyring
 from payhook.settings import Settings
-from tests.factories import LOCAL_RECEIVER_SETTINGS, LOCAL_RECEIVERS, Shop
+from tests.factories import LOCAL_RECEIVER_SETTINGS, LOCAL_RECEIVERS, TEST_SECRETS_KEY, Shop
 from tests.processes import start, stop, wait_until
 from tests.receiver import Receiver
 
@@ -201,7 +202,11 @@ class Stack:
         base = {k: v for k, v in os.environ.items() if not k.startswith("PAYHOOK_")}
         return (
             base
-            | {"DATABASE_URL": self.pg.url(), "REDIS_URL": self.redis.url}
+            | {
+                "DATABASE_URL": self.pg.url(),
+                "REDIS_URL": self.redis.url,
+                "PAYHOOK_SECRETS_KEY": TEST_SECRETS_KEY,
+            }
             | FAST
             | self.extra_env
         )
@@ -294,10 +299,15 @@ class Stack:
 
     def shop(self) -> Shop:
         with self.db() as conn:
+            keyring = Keyring.from_settings(self.settings)
             tenant_id = admin.add_tenant(
-                conn, "e2e", fulfilment_url=self.receiver.url, destinations=LOCAL_RECEIVERS
+                conn,
+                "e2e",
+                fulfilment_url=self.receiver.url,
+                keyring=keyring,
+                destinations=LOCAL_RECEIVERS,
             )
-            endpoint = admin.add_endpoint(conn, tenant_id, "standard")
+            endpoint = admin.add_endpoint(conn, tenant_id, "standard", keyring=keyring)
         shop = Shop(tenant_id, endpoint.endpoint_id, endpoint.secret, "standard")
         # The ingress learns new endpoints within PAYHOOK_ENDPOINT_REFRESH.
         time.sleep(1.0)

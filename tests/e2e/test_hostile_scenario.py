@@ -35,7 +35,7 @@ from payhook.jobhash import data_bound
 from payhook.queue import events_queue
 from payhook.settings import Settings
 from tests.e2e.stack import Stack, free_port, running_stack
-from tests.factories import Shop, StandardEvent, stripe_body
+from tests.factories import TEST_KEYRING, Shop, StandardEvent, stripe_body
 from tests.processes import start, stop, wait_until
 
 pytestmark = pytest.mark.slow
@@ -112,7 +112,7 @@ def run_scenario(stack: Stack, tmp_path: Path) -> None:
     shop = stack.shop()
     url = stack.url(shop)
     with stack.db() as conn:
-        stripe_endpoint = admin.add_endpoint(conn, shop.tenant_id, "stripe")
+        stripe_endpoint = admin.add_endpoint(conn, shop.tenant_id, "stripe", keyring=TEST_KEYRING)
     stripe_url = url.replace(shop.endpoint_id, stripe_endpoint.endpoint_id)
     payments = [
         StandardEvent(merchant_reference=f"o-{i}", gateway_order_id=f"pi-{i}")

@@ -22,7 +22,7 @@ from consumer.handler import Runtime, handle
 from payhook.db import Row, create_pool, execute
 from payhook.settings import Settings
 from tests.conftest import PG_SERVER
-from tests.factories import LOCAL_RECEIVER_SETTINGS, Factory, Shop, StandardEvent
+from tests.factories import LOCAL_RECEIVER_SETTINGS, TEST_SECRETS_KEY, Factory, Shop, StandardEvent
 from tests.receiver import Receiver
 
 #: Seconds any one wait in these tests may take before the test fails.
@@ -34,7 +34,11 @@ class WorkerProcess:
 
     def __init__(self, database: str, log: Path, *args: str, **settings: str) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("PAYHOOK_")}
-        env |= {"DATABASE_URL": f"{PG_SERVER}/{database}", "PAYHOOK_LOG_LEVEL": "INFO"}
+        env |= {
+            "DATABASE_URL": f"{PG_SERVER}/{database}",
+            "PAYHOOK_LOG_LEVEL": "INFO",
+            "PAYHOOK_SECRETS_KEY": TEST_SECRETS_KEY,
+        }
         env |= LOCAL_RECEIVER_SETTINGS
         env |= {f"PAYHOOK_OUTBOX_{name.upper()}": value for name, value in settings.items()}
         script = Path(sys.executable).with_name("payhook")

@@ -156,6 +156,16 @@ def test_newcomer_runs_up_sends_a_payment_and_stops_everything(workdir: Path) ->
         assert row == ("paid",)
         assert httpx.get(f"http://127.0.0.1:{dashboard_port}/").status_code == 401
 
+        # The endpoint secret the banner shows is sealed in the database, under
+        # the key `up` made in its state folder, readable by its owner alone.
+        key_file = tmp_path / ".payhook" / "secrets.key"
+        assert key_file.stat().st_mode & 0o777 == 0o600
+        secret = argv[argv.index("--secret") + 1]
+        with psycopg.connect(database_url.group(1)) as conn:
+            stored = conn.execute("SELECT secrets FROM payhook.webhook_endpoints").fetchone()
+        assert stored is not None and secret not in str(stored)
+        assert stored[0][0].startswith("sealed:v1:k1:")
+
         up.send_signal(signal.SIGTERM)
         assert up.wait(timeout=60) == 0, log.read_text()[-4000:]
         assert alive(children) == []

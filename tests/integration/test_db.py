@@ -23,7 +23,7 @@ from payhook.db import (
     pooled_connection,
 )
 from payhook.settings import Settings
-from tests.factories import Factory
+from tests.factories import TEST_KEYRING, Factory
 from tests.locks import released_after
 from tests.protocol import protocol_trace
 
@@ -100,7 +100,7 @@ def test_every_connection_finds_a_silently_lost_server_within_about_a_minute(
         pool.close()
 
     async def reader() -> dict[str, str]:
-        endpoints = PostgresEndpoints(settings.database_url)
+        endpoints = PostgresEndpoints(settings.database_url, TEST_KEYRING)
         try:
             await endpoints()
             assert endpoints._conn is not None

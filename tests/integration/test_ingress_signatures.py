@@ -32,7 +32,7 @@ from payhook.gateways import standard
 from payhook.gateways import stripe as stripe_gateway
 from payhook.settings import Settings
 from tests.conftest import REDIS_TEST_URL, test_settings
-from tests.factories import Factory, Shop, StandardEvent, stripe_body, stripe_headers
+from tests.factories import TEST_KEYRING, Factory, Shop, StandardEvent, stripe_body, stripe_headers
 
 #: Every status an unauthenticated request may get.
 REFUSALS = {400, 401, 404, 413}
@@ -216,7 +216,7 @@ async def test_rotation_accepts_both_secrets_until_the_old_one_is_retired(
 ) -> None:
     shop, _ = await shops(harness, factory)
     old = shop.secret
-    new = admin.rotate_endpoint_secret(factory.conn, shop.endpoint_id)
+    new = admin.rotate_endpoint_secret(factory.conn, shop.endpoint_id, keyring=TEST_KEYRING)
     assert await harness.ingress.refresher.refresh()
     for secret in (old, new):
         event = StandardEvent()

@@ -37,7 +37,7 @@ from payhook.errors import PayhookError
 from payhook.queue import APPLY_EVENT, enqueue_event, events_queue
 from payhook.settings import Settings
 from tests.conftest import REDIS_TEST_URL, test_settings
-from tests.factories import Factory, Shop, StandardEvent, stripe_body, stripe_headers
+from tests.factories import TEST_KEYRING, Factory, Shop, StandardEvent, stripe_body, stripe_headers
 
 pytestmark = pytest.mark.anyio
 
@@ -214,7 +214,7 @@ async def test_unknown_endpoints_are_404_and_never_reach_postgresql(
     ingress_settings: Settings, factory: Factory
 ) -> None:
     """Random ids cost no query: the table is read once per interval, whatever is asked."""
-    reader = PostgresEndpoints(ingress_settings.database_url)
+    reader = PostgresEndpoints(ingress_settings.database_url, TEST_KEYRING)
     loads = 0
 
     async def counting() -> list[Endpoint] | None:
@@ -241,7 +241,7 @@ async def test_the_endpoint_table_is_read_again_only_when_it_changed(
     loop, so large tables stall requests) only after a change of any kind,
     or once the full-reload interval has passed."""
     shop = factory.shop()
-    reader = PostgresEndpoints(ingress_settings.database_url)
+    reader = PostgresEndpoints(ingress_settings.database_url, TEST_KEYRING)
     try:
         first = await reader()
         assert first is not None and [e.id for e in first] == [shop.endpoint_id]
@@ -273,7 +273,7 @@ async def test_the_endpoint_table_is_read_again_only_when_it_changed(
     # The counter's row deleted by hand: every refresh reads the whole table,
     # never an empty copy, and the next change puts the row back, moved on.
     factory.conn.execute("DELETE FROM payhook.endpoint_version")
-    reader = PostgresEndpoints(ingress_settings.database_url)
+    reader = PostgresEndpoints(ingress_settings.database_url, TEST_KEYRING)
     try:
         for _ in range(2):
             unversioned = await reader()
@@ -285,7 +285,7 @@ async def test_the_endpoint_table_is_read_again_only_when_it_changed(
     finally:
         await reader.close()
 
-    always = PostgresEndpoints(ingress_settings.database_url, full_reload=0)
+    always = PostgresEndpoints(ingress_settings.database_url, TEST_KEYRING, full_reload=0)
     try:
         assert await always() is not None and await always() is not None
     finally:
@@ -425,7 +425,9 @@ async def test_a_stored_secret_that_is_not_whsec_base64_does_not_stop_the_others
     NULL) is passed over, and the endpoint's good secrets still verify."""
     shop = factory.shop()
     with pytest.raises(PayhookError, match="--secret"):
-        admin.rotate_endpoint_secret(factory.conn, shop.endpoint_id, "whsec_not base64!")
+        admin.rotate_endpoint_secret(
+            factory.conn, shop.endpoint_id, "whsec_not base64!", keyring=TEST_KEYRING
+        )
     factory.conn.execute(
         "UPDATE payhook.webhook_endpoints"
         " SET secrets = array_prepend(NULL::text, array_prepend('whsec_é!', secrets))"
@@ -557,7 +559,7 @@ async def test_postgresql_outage_keeps_known_endpoints_accepting(
     ingress_settings: Settings, factory: Factory
 ) -> None:
     """The last good copy serves; events queued meanwhile are applied once it is back."""
-    reader = PostgresEndpoints(ingress_settings.database_url)
+    reader = PostgresEndpoints(ingress_settings.database_url, TEST_KEYRING)
     up = True
 
     async def switchable() -> list[Endpoint] | None:
@@ -701,3 +703,29 @@ async def test_probes_however_many_never_take_the_writers_connection(
                 await probes.release(connection)
         assert (await harness.client.get("/readyz")).status_code == 200
         assert len(harness.jobs()) == 3
+
+
+async def test_the_cache_holds_opened_secrets_and_a_copied_one_verifies_nothing(
+    harness: Harness, factory: Factory
+) -> None:
+    """A sealed secret copied from another endpoint's row does not open: that
+    endpoint refuses the copy's signatures, every other endpoint is served."""
+    victim, attacker = factory.shop(), factory.shop()
+    factory.conn.execute(
+        "UPDATE payhook.webhook_endpoints AS v SET secrets = a.secrets"
+        "  FROM payhook.webhook_endpoints AS a WHERE v.id = %s AND a.id = %s",
+        (victim.endpoint_id, attacker.endpoint_id),
+    )
+    with capture_logs() as logs:
+        assert await refresh(harness)
+    [line] = [entry for entry in logs if entry["event"] == "endpoint_secret_unopenable"]
+    assert line["endpoint_id"] == victim.endpoint_id and attacker.secret not in str(line)
+    cached = harness.ingress.cache.get(attacker.endpoint_id)
+    assert cached is not None and cached.secrets == (attacker.secret,)
+
+    event = StandardEvent()
+    body = event.body()
+    forged = await harness.post(victim.endpoint_id, body, event.headers(attacker.secret, body))
+    assert forged.status_code == 401
+    own = await harness.post(attacker.endpoint_id, body, event.headers(attacker.secret, body))
+    assert own.status_code == 202

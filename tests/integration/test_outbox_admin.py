@@ -14,7 +14,7 @@ from outbox_worker import claims
 from payhook.db import Row, connect
 from payhook.errors import NotFound, PayhookError
 from payhook.settings import Settings
-from tests.factories import Factory
+from tests.factories import TEST_KEYRING, Factory
 
 
 def command(settings: Settings, capsys: pytest.CaptureFixture[str], *argv: str) -> list[Row]:
@@ -32,7 +32,7 @@ def rows(conn: psycopg.Connection[Row], factory: Factory) -> dict[str, str]:
     for name in ("delivered", "dead", "dead2", "pending"):
         [made[name]] = factory.outbox_rows(shop, order_id, name=f"{name}_")
         if name != "pending":
-            [claim] = claims.claim_due_rows(conn, 1, 60)
+            [claim] = claims.claim_due_rows(conn, 1, 60, TEST_KEYRING)
             if name == "delivered":
                 claims.mark_delivered(conn, claim)
             else:
@@ -86,7 +86,7 @@ def test_retry_refuses_delivered_in_flight_and_unknown_rows(
 ) -> None:
     with pytest.raises(outbox_admin.NotRetryable, match="already delivered"):
         outbox_admin.retry_row(conn, rows["delivered"])
-    claims.claim_due_rows(conn, 1, 60)  # a worker holds the pending row
+    claims.claim_due_rows(conn, 1, 60, TEST_KEYRING)  # a worker holds the pending row
     with pytest.raises(outbox_admin.NotRetryable, match="right now"):
         outbox_admin.retry_row(conn, rows["pending"])
     with pytest.raises(NotFound):

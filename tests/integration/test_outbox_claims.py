@@ -13,7 +13,7 @@ from outbox_worker import claims
 from outbox_worker.claims import Claim, StaleClaim
 from payhook.db import Row, connect
 from payhook.settings import Settings
-from tests.factories import Factory, Shop
+from tests.factories import TEST_KEYRING, Factory, Shop
 
 #: A lease no test outlives.
 LONG_LEASE = 300.0
@@ -31,7 +31,7 @@ def reclaim_after_lease(conn: psycopg.Connection[Row], lease: float) -> Claim:
     """Claim again once the previous lease of `lease` seconds has run out."""
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        taken = claims.claim_due_rows(conn, 1, LONG_LEASE)
+        taken = claims.claim_due_rows(conn, 1, LONG_LEASE, TEST_KEYRING)
         if taken:
             return taken[0]
         time.sleep(lease)
@@ -52,7 +52,7 @@ def test_claim_leases_rows_with_fresh_tokens_and_counts_the_attempt(
     conn: psycopg.Connection[Row], shop: Shop, order_id: str
 ) -> None:
     ids = add_rows(conn, shop, order_id, 3)
-    taken = claims.claim_due_rows(conn, 10, LONG_LEASE)
+    taken = claims.claim_due_rows(conn, 10, LONG_LEASE, TEST_KEYRING)
     assert sorted(c.id for c in taken) == sorted(ids)
     assert len({c.token for c in taken}) == 3
     for claim in taken:
@@ -68,17 +68,17 @@ def test_leased_row_is_not_claimed_again_while_the_lease_lasts(
     conn: psycopg.Connection[Row], shop: Shop, order_id: str
 ) -> None:
     add_rows(conn, shop, order_id, 2)
-    assert len(claims.claim_due_rows(conn, 10, LONG_LEASE)) == 2
-    assert claims.claim_due_rows(conn, 10, LONG_LEASE) == []
+    assert len(claims.claim_due_rows(conn, 10, LONG_LEASE, TEST_KEYRING)) == 2
+    assert claims.claim_due_rows(conn, 10, LONG_LEASE, TEST_KEYRING) == []
 
 
 def test_claims_respect_the_batch_size(
     conn: psycopg.Connection[Row], shop: Shop, order_id: str
 ) -> None:
     add_rows(conn, shop, order_id, 5)
-    assert len(claims.claim_due_rows(conn, 2, LONG_LEASE)) == 2
-    assert len(claims.claim_due_rows(conn, 2, LONG_LEASE)) == 2
-    assert len(claims.claim_due_rows(conn, 2, LONG_LEASE)) == 1
+    assert len(claims.claim_due_rows(conn, 2, LONG_LEASE, TEST_KEYRING)) == 2
+    assert len(claims.claim_due_rows(conn, 2, LONG_LEASE, TEST_KEYRING)) == 2
+    assert len(claims.claim_due_rows(conn, 2, LONG_LEASE, TEST_KEYRING)) == 1
 
 
 def test_concurrent_claims_skip_locked_rows_instead_of_sharing_them(
@@ -88,10 +88,10 @@ def test_concurrent_claims_skip_locked_rows_instead_of_sharing_them(
     add_rows(conn, shop, order_id, 6)
     with connect(settings, "test") as other:
         with conn.transaction():
-            first = claims.claim_due_rows(conn, 3, LONG_LEASE)
+            first = claims.claim_due_rows(conn, 3, LONG_LEASE, TEST_KEYRING)
             # Not committed yet: without SKIP LOCKED this would wait or overlap.
             other.execute("SET lock_timeout = '2s'")
-            second = claims.claim_due_rows(other, 10, LONG_LEASE)
+            second = claims.claim_due_rows(other, 10, LONG_LEASE, TEST_KEYRING)
     assert len(first) == 3 and len(second) == 3
     assert not {c.id for c in first} & {c.id for c in second}
 
@@ -100,7 +100,7 @@ def test_row_is_claimable_again_after_its_lease_with_a_new_token(
     conn: psycopg.Connection[Row], shop: Shop, order_id: str
 ) -> None:
     add_rows(conn, shop, order_id, 1)
-    [first] = claims.claim_due_rows(conn, 1, 0.2)
+    [first] = claims.claim_due_rows(conn, 1, 0.2, TEST_KEYRING)
     second = reclaim_after_lease(conn, 0.2)
     assert second.id == first.id and second.token != first.token
     assert second.attempts == 2
@@ -111,7 +111,7 @@ def test_completion_with_a_stale_claim_token_is_rejected(
 ) -> None:
     """The worker whose lease ran out cannot overwrite what the new holder records."""
     add_rows(conn, shop, order_id, 1)
-    [stale] = claims.claim_due_rows(conn, 1, 0.2)
+    [stale] = claims.claim_due_rows(conn, 1, 0.2, TEST_KEYRING)
     current = reclaim_after_lease(conn, 0.2)
 
     with pytest.raises(StaleClaim):
@@ -139,13 +139,13 @@ def test_retry_is_scheduled_after_the_delay_with_a_short_error(
     conn: psycopg.Connection[Row], shop: Shop, order_id: str
 ) -> None:
     add_rows(conn, shop, order_id, 1)
-    [claim] = claims.claim_due_rows(conn, 1, LONG_LEASE)
+    [claim] = claims.claim_due_rows(conn, 1, LONG_LEASE, TEST_KEYRING)
     claims.schedule_retry(conn, claim, 120.0, "HTTP 503\n" + "x" * 1000)
     stored = row(conn, claim.id)
     assert stored["state"] == "pending" and stored["claim_token"] is None
     assert 110 < stored["due_in"].total_seconds() <= 120
     assert stored["last_error"].startswith("HTTP 503 xxx") and len(stored["last_error"]) == 300
-    assert claims.claim_due_rows(conn, 1, LONG_LEASE) == []
+    assert claims.claim_due_rows(conn, 1, LONG_LEASE, TEST_KEYRING) == []
     assert 110 < (claims.seconds_until_due(conn) or 0) <= 120
 
 
@@ -153,10 +153,10 @@ def test_dead_row_is_never_claimed(
     conn: psycopg.Connection[Row], shop: Shop, order_id: str
 ) -> None:
     add_rows(conn, shop, order_id, 1)
-    [claim] = claims.claim_due_rows(conn, 1, 0.01)
+    [claim] = claims.claim_due_rows(conn, 1, 0.01, TEST_KEYRING)
     claims.mark_dead(conn, claim, "HTTP 400")
     time.sleep(0.05)
-    assert claims.claim_due_rows(conn, 1, LONG_LEASE) == []
+    assert claims.claim_due_rows(conn, 1, LONG_LEASE, TEST_KEYRING) == []
     assert claims.seconds_until_due(conn) is None
     assert row(conn, claim.id)["state"] == "dead"
 
@@ -165,11 +165,11 @@ def test_release_gives_the_row_back_due_now_without_counting_an_attempt(
     conn: psycopg.Connection[Row], shop: Shop, order_id: str
 ) -> None:
     add_rows(conn, shop, order_id, 1)
-    [claim] = claims.claim_due_rows(conn, 1, LONG_LEASE)
+    [claim] = claims.claim_due_rows(conn, 1, LONG_LEASE, TEST_KEYRING)
     assert claims.release(conn, claim) is True
     stored = row(conn, claim.id)
     assert stored["attempts"] == 0 and stored["claim_token"] is None
-    [again] = claims.claim_due_rows(conn, 1, LONG_LEASE)
+    [again] = claims.claim_due_rows(conn, 1, LONG_LEASE, TEST_KEYRING)
     assert again.id == claim.id and again.attempts == 1
 
 
@@ -185,6 +185,6 @@ def test_row_of_a_vanished_tenant_is_claimed_without_url_or_secret(
             "UPDATE payhook.payment_outbox SET tenant_id = %s WHERE id = %s",
             (other_tenant, row_id),
         )
-    [claim] = claims.claim_due_rows(conn, 1, LONG_LEASE)
+    [claim] = claims.claim_due_rows(conn, 1, LONG_LEASE, TEST_KEYRING)
     assert claim.tenant_id == other_tenant
     assert claim.fulfilment_url is None and claim.signing_secret is None

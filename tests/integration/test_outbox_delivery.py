@@ -26,8 +26,9 @@ from outbox_worker.main import build_client
 from payhook import destinations
 from payhook.db import Pool, Row, create_pool
 from payhook.destinations import DestinationPolicy
+from payhook.sealing import tenant_aad
 from payhook.settings import Settings
-from tests.factories import LOCAL_RECEIVERS, Factory, Shop, StandardEvent
+from tests.factories import LOCAL_RECEIVERS, TEST_KEYRING, Factory, Shop, StandardEvent
 from tests.receiver import Receiver
 
 #: Short enough that retries come quickly in a test.
@@ -61,7 +62,7 @@ def make_worker(pool: Pool) -> Iterator[MakeWorker]:
     ) -> Worker:
         # The test's receivers are on this machine, over http.
         config = replace(config, destinations=destinations)
-        worker = Worker(pool, build_client(config), config, **options)
+        worker = Worker(pool, build_client(config), config, keyring=TEST_KEYRING, **options)
         made.append(worker)
         return worker
 
@@ -92,7 +93,7 @@ def signing_secret(conn: psycopg.Connection[Row], shop: Shop) -> str:
         "SELECT signing_secret FROM payhook.tenants WHERE id = %s", (shop.tenant_id,)
     ).fetchone()
     assert found is not None
-    return str(found["signing_secret"])
+    return TEST_KEYRING.open(found["signing_secret"], tenant_aad(shop.tenant_id))
 
 
 def test_delivery_is_a_signed_post_with_the_idempotency_key(

@@ -17,6 +17,7 @@ from payhook.errors import OutcomesMismatch
 from payhook.outcomes import ANOMALY_KINDS, EXCEPTION_KINDS, RECEIPT_OUTCOMES, check_outcomes
 from payhook.settings import Settings
 from tests.conftest import PG_SERVER
+from tests.factories import TEST_KEYRING
 from tests.processes import run_cli
 
 
@@ -200,7 +201,7 @@ def test_a_consumer_waits_for_postgresql_before_it_checks(
     pool.open(wait=True)
     try:
         with capture_logs() as logs:
-            consumer_main.check_schema(pool)
+            consumer_main.check_schema(pool, TEST_KEYRING)
     finally:
         pool.close()
     assert len(calls) == 2

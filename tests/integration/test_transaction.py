@@ -23,8 +23,17 @@ from payhook.db import Row, create_pool
 from payhook.endpoints import Endpoint
 from payhook.envelope import ENVELOPE_VERSION, NewerEnvelope
 from payhook.gateways import get_gateway
+from payhook.sealing import endpoint_aad
 from payhook.settings import Settings
-from tests.factories import Factory, Shop, StandardEvent, envelope, stripe_body, stripe_headers
+from tests.factories import (
+    TEST_KEYRING,
+    Factory,
+    Shop,
+    StandardEvent,
+    envelope,
+    stripe_body,
+    stripe_headers,
+)
 from tests.locks import released_after
 from tests.protocol import protocol_trace, sent
 
@@ -654,7 +663,7 @@ def test_consumer_follows_secret_rotation(runtime: Runtime, factory: Factory) ->
     factory.order(shop)
     assert apply(runtime, factory, shop, StandardEvent(type="customer.created")) == "ignored"
     old = shop.secret
-    shop.secret = admin.rotate_endpoint_secret(factory.conn, shop.endpoint_id)
+    shop.secret = admin.rotate_endpoint_secret(factory.conn, shop.endpoint_id, keyring=TEST_KEYRING)
     assert apply(runtime, factory, shop, StandardEvent(type="customer.created")) == "ignored"
     admin.retire_old_secrets(factory.conn, shop.endpoint_id)
     runtime.endpoints.ttl = 0
@@ -697,7 +706,9 @@ def test_a_null_written_among_the_secrets_by_hand_never_breaks_verification(
         "SELECT secrets, retired_secrets FROM payhook.webhook_endpoints WHERE id = %s",
         (shop.endpoint_id,),
     ).fetchone()
-    assert row is not None and row["secrets"] == [shop.secret]
+    assert row is not None
+    aad = endpoint_aad(shop.tenant_id, shop.endpoint_id)
+    assert [TEST_KEYRING.open(s, aad) for s in row["secrets"]] == [shop.secret]
     assert all(isinstance(r["secret"], str) for r in row["retired_secrets"])
     assert deliver() == "ignored"
 
@@ -754,7 +765,7 @@ def test_job_received_before_its_secret_was_retired_is_still_applied(
     shop = factory.shop()
     order_id = factory.order(shop)
     queued = factory.standard_envelope(shop, StandardEvent())  # received, not yet consumed
-    admin.rotate_endpoint_secret(factory.conn, shop.endpoint_id)
+    admin.rotate_endpoint_secret(factory.conn, shop.endpoint_id, keyring=TEST_KEYRING)
     admin.retire_old_secrets(factory.conn, shop.endpoint_id)
     runtime.endpoints.ttl = 0
     assert handle(runtime, queued.to_json()).outcome == "applied"

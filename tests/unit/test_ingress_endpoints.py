@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 
 import psycopg
+import pytest
 
 from ingress.endpoints import EndpointCache, Refresher
 from payhook.endpoints import Endpoint
+from payhook.sealing import MissingKey
 
 ONE = Endpoint("e1", "t1", "standard", ("whsec_c2VjcmV0",))
 TWO = Endpoint("e2", "t2", "stripe", ("whsec_stripe",))
@@ -95,3 +97,16 @@ def test_an_unchanged_table_keeps_the_copy_and_counts_as_fresh() -> None:
     assert cache.get("e1") == ONE
     assert cache.refreshed_at is not None and loaded_at is not None
     assert cache.refreshed_at >= loaded_at
+
+
+def test_a_missing_key_stops_the_first_load_and_later_keeps_the_copy() -> None:
+    """Sealed secrets and no key: the ingress does not start (the lifespan's
+    first refresh raises, naming the setting); once running, the last copy serves."""
+    first = Refresher(EndpointCache(), Loader(MissingKey()), 1.0)
+    with pytest.raises(MissingKey, match="PAYHOOK_SECRETS_KEY"):
+        asyncio.run(first.refresh())
+    cache = EndpointCache()
+    later = Refresher(cache, Loader([ONE], MissingKey()), 1.0)
+    assert asyncio.run(later.refresh())
+    assert not asyncio.run(later.refresh())
+    assert cache.get("e1") == ONE

@@ -184,6 +184,13 @@ def test_missing_tenant_is_dead() -> None:
     assert (outcome.kind, outcome.error) == ("dead", "tenant not found")
 
 
+def test_a_tenant_secret_that_does_not_open_is_retried_not_sent_unsigned() -> None:
+    """The right key may yet be configured: the row waits for it."""
+    error = "a secret sealed under key k1 does not open"
+    outcome = deliver(httpx.Client(), make_claim(signing_secret=None, secret_error=error))
+    assert outcome.kind == "retry" and outcome.error == f"tenant signing secret: {error}"
+
+
 def test_claim_repr_hides_the_signing_secret() -> None:
     assert SECRET not in repr(make_claim())
 
