@@ -1,3 +1,3 @@
 """payhook: payment-gateway webhooks applied exactly once."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
