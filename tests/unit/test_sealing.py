@@ -117,6 +117,8 @@ def test_keys_come_from_the_file_too(tmp_path: Path) -> None:
             "only one",
         ),
     ],
+    # Named, not by their random keys: parallel workers must collect the same ids.
+    ids=["no-colon", "not-base64", "short", "twice", "two-current"],
 )
 def test_a_malformed_key_setting_is_named(value: str, message: str) -> None:
     with pytest.raises(SettingsError, match=message):
