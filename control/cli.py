@@ -22,26 +22,24 @@ from payhook.outcomes import ANOMALY_KINDS, EXCEPTION_KINDS
 from payhook.settings import Settings
 
 
-def port(value: str) -> int:
-    """A TCP port to listen on, 1 to 65535 (argparse type)."""
+def _whole(value: str, what: str, most: int) -> int:
     try:
         number = int(value)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number, got {value!r}") from None
-    if not 1 <= number <= 65535:
-        raise argparse.ArgumentTypeError(f"expected 1 to 65535, got {number}")
+        raise argparse.ArgumentTypeError(f"expected {what}, got {value!r}") from None
+    if not 1 <= number <= most:
+        raise argparse.ArgumentTypeError(f"expected 1 to {most}, got {number}")
     return number
+
+
+def port(value: str) -> int:
+    """A TCP port to listen on, 1 to 65535 (argparse type)."""
+    return _whole(value, "a port number", 65535)
 
 
 def batch_size(value: str) -> int:
     """Rows per transaction, 1 to 10000 (argparse type)."""
-    try:
-        number = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {value!r}") from None
-    if not 1 <= number <= 10_000:
-        raise argparse.ArgumentTypeError(f"expected 1 to 10000, got {number}")
-    return number
+    return _whole(value, "a number", 10_000)
 
 
 #: Commands that run a service and configure their own logging (to stdout).
