@@ -22,20 +22,9 @@ SELECT tenant_id, event_id, outcome, resolved, changed, order_id, from_state, to
 
 -- decide --
 -- The rules: what an event (Event.to_json()) does to the orders it mapped
--- to, a JSON array of objects as `lock_order` returns them.
+-- to, a JSON array of payment_orders rows, as apply_event_v1 locks them.
 SELECT outcome, to_state, refunded_minor, detail, action
   FROM payhook.decide_v1(%(event)s, %(orders)s)
-
--- lock_order --
--- The order either identifier maps to, locked; two rows mean the
--- identifiers name different orders.
-SELECT id, merchant_reference, gateway_order_id, amount_minor, currency, state,
-       refunded_minor
-  FROM payhook.payment_orders
- WHERE tenant_id = %(tenant_id)s
-   AND (merchant_reference = %(merchant_reference)s OR gateway_order_id = %(gateway_order_id)s)
- ORDER BY id
-   FOR UPDATE
 
 -- insert_outbox --
 -- One outbox row on its own, for seeding the outbox worker's tests and
@@ -43,12 +32,6 @@ SELECT id, merchant_reference, gateway_order_id, amount_minor, currency, state,
 INSERT INTO payhook.payment_outbox (id, tenant_id, order_id, event_id, action, payload)
 VALUES (%(id)s, %(tenant_id)s, %(order_id)s, %(event_id)s, %(action)s, %(payload)s)
 ON CONFLICT (tenant_id, event_id, action) DO NOTHING
-
--- mark_receipt_processed --
--- Step 7: the receipt's outcome, the order it mapped to, and when.
-UPDATE payhook.payment_event_receipts
-   SET outcome = %(outcome)s, order_id = %(order_id)s, processed_at = now()
- WHERE tenant_id = %(tenant_id)s AND event_id = %(event_id)s
 
 -- insert_anomaly --
 -- A security anomaly: safe metadata only, never a payload or a secret.

@@ -66,7 +66,7 @@ def test_query_loader_rejects_malformed_files(text: str) -> None:
 
 
 def test_shipped_queries_load() -> None:
-    assert {"apply_event", "lock_order", "mark_receipt_processed"} <= set(all_queries())
+    assert {"apply_event", "replay_exception", "insert_anomaly"} <= set(all_queries())
 
 
 def test_envelope_round_trip_keeps_exact_bytes() -> None:
