@@ -3,6 +3,7 @@ the worker goes on with the jobs behind it."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import uuid
 import zlib
@@ -268,3 +269,20 @@ def test_the_quarantine_command_lists_shows_and_purges(
     purged = run_cli(settings, "quarantine", "purge", "--all")
     assert json.loads(purged.stdout) == {"purged": 1}
     assert quarantine.count(redis_conn, settings.queue) == 0
+
+
+def test_the_data_bound_follows_the_consumers_max_body(
+    settings: Settings, redis_conn: Redis, factory: Factory, runtime: Runtime
+) -> None:
+    """Data within the default bound but past the consumer's own is quarantined."""
+    small = dataclasses.replace(settings, max_body=1024)
+    shop = factory.shop()
+    forged = enqueue(small, redis_conn, factory, shop)
+    padding = b"\0" * (data_bound(1024) + 1)
+    redis_conn.hset(forged.key, "data", zlib.compress(padding))
+    assert len(padding) < data_bound(Settings.max_body)
+
+    build_worker(small, runtime).work(burst=True, logging_level="ERROR")
+
+    [entry] = quarantine.list_jobs(redis_conn, small.queue)
+    assert entry.reason == f"data: expands past {data_bound(1024)} bytes"
