@@ -44,7 +44,7 @@ from payhook import counters, quarantine
 from payhook.db import Row, connect, fetch_one
 from payhook.errors import PayhookError, SettingsError
 from payhook.queue import events_queue, redis_connection
-from payhook.settings import Settings, parse_duration, positive_int
+from payhook.settings import MAX_DURATION, Settings, parse_duration, positive_duration, positive_int
 
 #: Seconds a payload-digest conflict or a refused job keeps its alert active.
 DEFAULT_WINDOW = 24 * 3600.0
@@ -117,18 +117,10 @@ class AlertSettings:
 
 
 def _bounded(
-    extra: Mapping[str, str], name: str, default: float, most: float | None = None
+    extra: Mapping[str, str], name: str, default: float, most: float = MAX_DURATION
 ) -> float:
-    """The duration variable `name`, above zero and at most `most` seconds
-    (without `most`, at most `MAX_DURATION`, which `parse_duration` enforces)."""
-    if name not in extra:
-        return default
-    seconds = parse_duration(name, extra[name])
-    if seconds <= 0:
-        raise SettingsError(f"{name}: expected a duration above zero")
-    if most is not None and seconds > most:
-        raise SettingsError(f"{name}: expected at most {_duration(most)}, got {extra[name]!r}")
-    return seconds
+    """The duration variable `name`, above zero and at most `most` seconds."""
+    return positive_duration(name, extra[name], most) if name in extra else default
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from payhook.errors import SettingsError
-from payhook.settings import Settings, parse_duration, positive_int
+from payhook.settings import Settings, parse_duration, positive_duration, positive_int
 
 #: Default of `PAYHOOK_INGRESS_RETRY_AFTER`, in seconds.
 DEFAULT_RETRY_AFTER = 5
@@ -49,12 +49,7 @@ class IngressSettings:
         values: dict[str, Any] = {}
         raw = settings.get("PAYHOOK_INGRESS_RETRY_AFTER")
         if raw is not None:
-            seconds = parse_duration("PAYHOOK_INGRESS_RETRY_AFTER", raw)
-            if seconds <= 0:
-                raise SettingsError(
-                    f"PAYHOOK_INGRESS_RETRY_AFTER: expected a duration above zero, got {raw!r}"
-                )
-            values["retry_after"] = math.ceil(seconds)
+            values["retry_after"] = math.ceil(positive_duration("PAYHOOK_INGRESS_RETRY_AFTER", raw))
         raw = settings.get("PAYHOOK_READ_TIMEOUT")
         if raw is not None:
             values["read_timeout"] = _bounded("PAYHOOK_READ_TIMEOUT", raw, READ_TIMEOUT_RANGE)

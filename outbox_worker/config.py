@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from payhook.destinations import DestinationPolicy
 from payhook.errors import SettingsError
-from payhook.settings import Settings, parse_duration, positive_int
+from payhook.settings import Settings, positive_duration, positive_int
 
 #: Smallest lease, in multiples of the HTTP timeout.
 LEASE_PER_TIMEOUT = 3
@@ -83,7 +83,7 @@ class OutboxSettings:
             return positive_int(name, extra[name]) if name in extra else default
 
         def seconds(name: str, default: float) -> float:
-            return _positive_duration(name, extra[name]) if name in extra else default
+            return positive_duration(name, extra[name]) if name in extra else default
 
         return cls(
             lease=seconds("PAYHOOK_OUTBOX_LEASE", DEFAULT_LEASE),
@@ -96,10 +96,3 @@ class OutboxSettings:
             backoff_max=seconds("PAYHOOK_OUTBOX_BACKOFF_MAX", DEFAULT_BACKOFF_MAX),
             destinations=DestinationPolicy.from_settings(settings),
         )
-
-
-def _positive_duration(name: str, raw: str) -> float:
-    value = parse_duration(name, raw)
-    if value <= 0:
-        raise SettingsError(f"{name}: expected a duration above zero, got {raw!r}")
-    return value

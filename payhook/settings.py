@@ -55,6 +55,16 @@ def parse_duration(name: str, raw: str) -> float:
     return seconds
 
 
+def positive_duration(name: str, raw: str, most: float = MAX_DURATION) -> float:
+    """`raw` as seconds above zero and at most `most`; `SettingsError` naming `name` if not."""
+    seconds = parse_duration(name, raw)
+    if seconds <= 0:
+        raise SettingsError(f"{name}: expected a duration above zero, got {raw!r}")
+    if seconds > most:
+        raise SettingsError(f"{name}: expected at most {describe(most)}, got {raw!r}")
+    return seconds
+
+
 #: Duration settings: attribute, variable and the least value that makes sense
 #: (the most, for every duration, is `MAX_DURATION`). Zero would reload the
 #: endpoint table in a loop, refuse every webhook with a 503, or delete rows
