@@ -14,7 +14,7 @@ Keys, per queue:
 - `payhook:quarantine:{queue}`: sorted set of job ids, scored by when each
   was quarantined (Unix seconds);
 - `payhook:quarantine:{queue}:reasons`: hash of job id to a JSON object
-  (`reason`, `found_in`, `at`);
+  (`reason`, `found_in`; when is the set's score);
 - `payhook:quarantine:{queue}:job:{id}`: the job's hash as it was found.
 
 Ids are kept as the bytes found: an id that is not UTF-8 is itself a reason.
@@ -120,7 +120,7 @@ def move(
         raise ValueError(f"kind: expected list, zset or none, got {kind!r}")
     now = time.time()
     found_in = source.decode("utf-8", "backslashreplace") if isinstance(source, bytes) else source
-    detail = json.dumps({"reason": reason[:MAX_REASON], "found_in": found_in or "", "at": now})
+    detail = json.dumps({"reason": reason[:MAX_REASON], "found_in": found_in or ""})
     redis.eval(
         _MOVE,
         5,
