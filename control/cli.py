@@ -121,6 +121,13 @@ def cmd_endpoints_retire(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+def cmd_secrets_new_key(args: argparse.Namespace, settings: Settings) -> int:
+    from payhook.sealing import generate_key_line
+
+    print(generate_key_line(args.id))
+    return 0
+
+
 def cmd_secrets(args: argparse.Namespace, settings: Settings) -> int:
     from control.sealed import check_all, reseal_all
     from payhook.db import connect
@@ -307,6 +314,13 @@ def build_parser() -> argparse.ArgumentParser:
         p = add(action, cmd_secrets, text, secrets)
         p.add_argument("--batch", type=batch_size, default=100, help="rows per transaction")
     add("check", cmd_secrets, "verify every stored secret opens; exit 1 if not", secrets)
+    p = add(
+        "new-key",
+        cmd_secrets_new_key,
+        "print a new random key as ID:BASE64, for PAYHOOK_SECRETS_KEY",
+        secrets,
+    )
+    p.add_argument("--id", default="k1", help="the key's id (default k1)")
 
     orders = commands.add_parser("orders", help="manage orders").add_subparsers(
         dest="action", required=True, metavar="ACTION"

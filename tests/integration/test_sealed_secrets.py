@@ -335,3 +335,13 @@ def test_the_ingress_opens_an_unchanged_secret_once(
     opened.clear()
     asyncio.run(load_twice())
     assert opened == [endpoint_aad(first.tenant_id, first.endpoint_id)]
+
+
+def test_new_key_prints_a_fresh_key_the_settings_take(settings: Settings) -> None:
+    made = [run_cli(settings, "secrets", "new-key", "--id", "k7") for _ in range(2)]
+    assert [m.returncode for m in made] == [0, 0], made[0].stderr
+    lines = [m.stdout.strip() for m in made]
+    assert lines[0] != lines[1]
+    ring = Keyring.from_settings(Settings.from_env({"PAYHOOK_SECRETS_KEY": lines[0]}))
+    assert ring.current == "k7"
+    assert ring.open(ring.seal("whsec_x", "aad"), "aad") == "whsec_x"
