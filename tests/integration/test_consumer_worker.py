@@ -303,3 +303,46 @@ def test_a_job_timeout_while_the_applier_waits_on_a_lock_cancels_its_statement(
     result = failed.latest_result()
     assert result is not None and "JobTimeoutException" in (result.exc_string or "")
     assert factory.count("payment_event_receipts") == 0, "the cancelled statement rolled back"
+
+
+class ReplyLandsBeforeStop(PayhookWorker):
+    """Lets the listener thread read the reply to UNSUBSCRIBE before anything
+    else happens: the order in which a loaded machine runs RQ's teardown."""
+
+    def subscribe(self) -> None:
+        super().subscribe()  # type: ignore[no-untyped-call]
+        pubsub = self.pubsub
+        assert pubsub is not None
+        send = pubsub.unsubscribe
+
+        def unsubscribe(*args: Any) -> Any:
+            sent = send(*args)  # type: ignore[no-untyped-call]
+            wait_until(lambda: not pubsub.subscribed, 10, "the listener to read the reply")
+            return sent
+
+        pubsub.unsubscribe = unsubscribe  # type: ignore[method-assign]
+
+
+def test_a_stopping_worker_does_not_wait_out_its_command_listener(
+    settings: Settings, runtime: Runtime
+) -> None:
+    """The thread listening for RQ's worker commands ends as the worker stops.
+    Stopped after UNSUBSCRIBE was answered, it went back to a 60 s wait for a
+    subscription, and the worker waited for it (`payhook consumer --burst`
+    and every SIGTERM took a minute)."""
+    worker = built_as(ReplyLandsBeforeStop, settings, runtime)
+    worker.subscribe()
+
+    def hung(signum: int, frame: Any) -> None:
+        raise TimeoutError("the worker is still waiting for its command listener")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(20)
+    try:
+        worker.unsubscribe()
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+    assert worker.pubsub_thread is not None
+    assert not worker.pubsub_thread.is_alive()
