@@ -8,6 +8,9 @@
 2. The same SQL transaction driven directly by W processes: the database's.
 3. payhook consumers applying first deliveries, then the same events again
    (every job a duplicate).
+4. First deliveries again, by consumers working as the owner, whom
+   row-level security does not restrict (PAYHOOK_DATABASE_ROLE empty): what
+   the policies cost, as a ratio in the same round.
 
 Redis is a private redis-server started here with the persistence of
 compose.yaml (`appendfsync always`: RQ's writes are durable, as payhook's
@@ -30,7 +33,7 @@ import sys
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -247,7 +250,8 @@ def run_direct(
 
 
 def count(settings: Settings, table: str) -> int:
-    with connect(settings) as conn:
+    """Rows of `table`, every tenant's: as the owner."""
+    with connect(settings, owner=True) as conn:
         row: Any = conn.execute(
             sql.SQL("SELECT count(*) AS n FROM payhook.{}").format(sql.Identifier(table))
         ).fetchone()
@@ -271,7 +275,9 @@ def main() -> None:
 def run(args: argparse.Namespace, redis_url: str, redis_pid: int | None, redis_label: str) -> None:
     n, w = args.events, args.workers
     redis = Redis.from_url(redis_url)
-    phases: dict[str, list[Phase]] = {name: [] for name in ("noop", "applied", "duplicates")}
+    phases: dict[str, list[Phase]] = {
+        name: [] for name in ("noop", "applied", "duplicates", "owner")
+    }
     direct_rates: list[float] = []
     fork = 0.0
     # Rounds interleave the phases, so a burst of load elsewhere on the
@@ -279,20 +285,24 @@ def run(args: argparse.Namespace, redis_url: str, redis_pid: int | None, redis_l
     for round_ in range(args.rounds):
         settings = fresh_settings(redis_url)
         meters = find_meters(settings, redis_pid)
-        endpoint, envelopes = make_events(settings, 2 * n)
-        direct_set, queued_set = envelopes[:n], envelopes[n:]
-        # The no-op ceiling and first deliveries take turns going first, so
-        # neither always runs on the fresher Redis and PostgreSQL.
-        order = [("noop", "noop"), ("applied", "apply")]
-        for name, mode in [*order[:: 1 if round_ % 2 == 0 else -1], ("duplicates", "apply")]:
-            phases[name].append(run_workers(settings, redis, queued_set, mode, "simple", w, meters))
+        endpoint, envelopes = make_events(settings, 3 * n)
+        direct_set, queued_set, owner_set = envelopes[:n], envelopes[n : 2 * n], envelopes[2 * n :]
+        # The no-op ceiling and first deliveries (under row-level security or
+        # as the owner) take turns going first, so none always runs on the
+        # fresher Redis and PostgreSQL.
+        order = [("noop", "noop"), ("applied", "apply"), ("owner", "apply")]
+        for name, mode in [*order[round_ % 3 :], *order[: round_ % 3], ("duplicates", "apply")]:
+            as_role = replace(settings, database_role="") if name == "owner" else settings
+            events = owner_set if name == "owner" else queued_set
+            phases[name].append(run_workers(as_role, redis, events, mode, "simple", w, meters))
         direct_rates.append(run_direct(settings, endpoint, direct_set, w))
-        assert count(settings, "payment_outbox") == 2 * n, "every event applied exactly once"
+        assert count(settings, "payment_outbox") == 3 * n, "every event applied exactly once"
         if round_ == 0:
             fork = run_workers(settings, redis, queued_set, "noop", "fork", w, meters).rate
     redis.flushdb()
-    noop, applied, duplicates = (
-        statistics.median(p.rate for p in phases[k]) for k in ("noop", "applied", "duplicates")
+    noop, applied, duplicates, owner = (
+        statistics.median(p.rate for p in phases[k])
+        for k in ("noop", "applied", "duplicates", "owner")
     )
     direct = statistics.median(direct_rates)
     print(
@@ -313,10 +323,17 @@ def run(args: argparse.Namespace, redis_url: str, redis_pid: int | None, redis_l
         f"  payhook consumers, duplicates      {duplicates:8.0f} events/s  "
         f"(one duplicate costs {applied / duplicates:.2f}x a first delivery)"
     )
+    print(
+        f"  first delivery as the owner        {owner:8.0f} events/s  "
+        f"(row-level security costs {1 - applied / owner:.1%})"
+    )
     # Each round measures its no-op ceiling and first deliveries back to back.
     pairs = zip(phases["applied"], phases["noop"], strict=True)
     per_round = ", ".join(f"{first.rate / ceiling.rate:.0%}" for first, ceiling in pairs)
     print(f"  first delivery / no-op, per round  [{per_round}]")
+    pairs = zip(phases["applied"], phases["owner"], strict=True)
+    per_round = ", ".join(f"{rls.rate / bypass.rate:.0%}" for rls, bypass in pairs)
+    print(f"  under RLS / as the owner, per round [{per_round}]")
     print_cpu(phases)
 
 

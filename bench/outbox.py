@@ -199,7 +199,7 @@ def main() -> None:
         print(f"baseline  plain httpx, 1 thread round trip: {raw_trip:6.2f} ms (median)")
 
         procs = start_workers(settings, args.workers, Path(tmp))
-        with connect(settings, "bench") as conn:
+        with connect(settings, "bench", owner=True) as conn:
             wait_for(
                 lambda: (
                     scalar(

@@ -149,7 +149,7 @@ class Figures:
 def rehearse(settings: Settings, redis: Redis, workdir: Path, plan: Plan) -> Figures:
     """Run the rehearsal against a migrated database; see the module docstring."""
     figures = Figures(plan)
-    with connect(settings, "rehearsal") as conn:
+    with connect(settings, "rehearsal", owner=True) as conn:
         tenant, endpoint = _shop(conn)
         _orders(conn, tenant.tenant_id, plan)
         _history(conn, tenant.tenant_id, plan)
@@ -170,12 +170,12 @@ def rehearse(settings: Settings, redis: Redis, workdir: Path, plan: Plan) -> Fig
             if phase in ("baseline", "after"):
                 time.sleep(plan.baseline if phase == "baseline" else plan.after)
             elif phase == "check":
-                with connect(settings, "rehearsal") as conn:
+                with connect(settings, "rehearsal", owner=True) as conn:
                     figures.conflicts_found = dict(
                         Counter(g.classification for g in check_rule(conn, RULE).groups)
                     )
             elif phase == "resolve":
-                with connect(settings, "rehearsal") as conn:
+                with connect(settings, "rehearsal", owner=True) as conn:
                     figures.quarantined = resolve_rule(conn, RULE).quarantined
             else:
                 apply_migrations(settings, folder)
@@ -190,7 +190,7 @@ def rehearse(settings: Settings, redis: Redis, workdir: Path, plan: Plan) -> Fig
     _measure(figures, redis, feeder.job_ids, windows)
     figures.failed_jobs = len(FailedJobRegistry(queue=queue))
     figures.consumer_errors = sum(_errors(p.read_text()) for p in workdir.glob("consumer-*.log"))
-    with connect(settings, "rehearsal") as conn:
+    with connect(settings, "rehearsal", owner=True) as conn:
         figures.receipts = _count(conn, "payment_event_receipts")
         figures.exceptions_after = _count(conn, "payment_exceptions")
         state = conn.execute(

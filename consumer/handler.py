@@ -15,7 +15,7 @@ from consumer.endpoints import EndpointCache
 from consumer.replay import replay_parked
 from consumer.transaction import Applied, TooManyRetries, apply_with_retries
 from payhook import counters
-from payhook.db import Pool, Row, execute, pooled_connection
+from payhook.db import Pool, Row, execute, pooled_connection, tenant_transaction
 from payhook.endpoints import Endpoint
 from payhook.envelope import Envelope, MalformedJob, NewerEnvelope
 from payhook.errors import MalformedEvent, SignatureError, SignatureMismatch
@@ -183,9 +183,10 @@ def _anomaly(
         "stored_sha256": None,
         "received_sha256": raw_digest(envelope.body) if envelope else None,
     }
+    tenant_id = params["tenant_id"]
     if conn is not None:
-        with conn.transaction():
+        with tenant_transaction(conn, tenant_id):
             execute(conn, "insert_anomaly", params)
         return
-    with pooled_connection(runtime.pool) as own, own.transaction():
+    with pooled_connection(runtime.pool) as own, tenant_transaction(own, tenant_id):
         execute(own, "insert_anomaly", params)

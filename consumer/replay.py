@@ -30,7 +30,15 @@ import psycopg
 import structlog
 from psycopg import pq
 
-from payhook.db import Row, error_summary, execute, fetch_all, fetch_one
+from payhook.db import (
+    Row,
+    error_summary,
+    execute,
+    fetch_all,
+    fetch_one,
+    tenant_of,
+    tenant_transaction,
+)
 from payhook.errors import NotFound, PayhookError
 
 log = structlog.get_logger(__name__)
@@ -90,6 +98,10 @@ def replay_exception(
     it applies is followed by the replay of the events of its order that
     waited for it (`replay_parked`).
     """
+    if tenant_id is None:
+        tenant_id = tenant_of(conn, "payment_exceptions", exception_id)
+        if tenant_id is None:
+            raise NotFound(f"no payment exception {exception_id}")
     params = {"id": exception_id, "tenant_id": tenant_id, "dry_run": dry_run}
     try:
         if lock_timeout is None and conn.autocommit:
@@ -139,9 +151,10 @@ def replay_parked(conn: psycopg.Connection[Row], tenant_id: str, order_id: str) 
     crash before, leaves its exception open for `payhook exceptions replay`.
     """
     try:
-        waiting = fetch_all(
-            conn, "parked_exceptions", {"tenant_id": tenant_id, "order_id": order_id}
-        )
+        with tenant_transaction(conn, tenant_id):
+            waiting = fetch_all(
+                conn, "parked_exceptions", {"tenant_id": tenant_id, "order_id": order_id}
+            )
     except Exception as exc:
         log.warning("parked_events_unread", order_id=order_id, error=error_summary(exc))
         _drop_if_busy(conn)
@@ -195,7 +208,11 @@ def resolve_by_hand(
     conn: psycopg.Connection[Row], exception_id: int, *, tenant_id: str | None = None
 ) -> bool:
     """Close an exception without applying its event; False if it was already closed."""
-    with conn.transaction():
+    if tenant_id is None:
+        tenant_id = tenant_of(conn, "payment_exceptions", exception_id)
+        if tenant_id is None:
+            raise NotFound(f"no payment exception {exception_id}")
+    with tenant_transaction(conn, tenant_id):
         row = fetch_one(conn, "lock_exception", {"id": exception_id, "tenant_id": tenant_id})
         if row is None:
             raise NotFound(f"no payment exception {exception_id}")

@@ -9,7 +9,7 @@ from urllib.parse import urlsplit
 
 import psycopg
 
-from payhook.db import Row, execute, fetch_one
+from payhook.db import Row, execute, fetch_one, tenant_of, tenant_transaction
 from payhook.destinations import DestinationPolicy, DestinationRefused, Resolve, resolve_host
 from payhook.errors import NotFound, PayhookError
 from payhook.gateways import generate_secret, get_gateway, standard
@@ -51,7 +51,7 @@ def add_tenant(
         _check_url(fulfilment_url)
         _check_destination(fulfilment_url, destinations, resolve)
     tenant_id = str(uuid.uuid4())
-    with conn.transaction():
+    with tenant_transaction(conn, tenant_id):
         execute(
             conn,
             "insert_tenant",
@@ -78,7 +78,7 @@ def add_endpoint(
     tenant_id = _uuid(tenant_id, "--tenant")
     endpoint_id = str(uuid.uuid4())
     try:
-        with conn.transaction():
+        with tenant_transaction(conn, tenant_id):
             execute(
                 conn,
                 "insert_endpoint",
@@ -108,7 +108,8 @@ def rotate_endpoint_secret(
             raise NotFound(f"no endpoint {endpoint_id}")
         secret = _checked_secret(row["gateway"], secret or generate_secret(row["gateway"]))
         sealed = keyring.seal(secret, endpoint_aad(str(row["tenant_id"]), str(row["id"])))
-        execute(conn, "add_endpoint_secret", {"id": endpoint_id, "secret": sealed})
+        with tenant_transaction(conn, row["tenant_id"]):
+            execute(conn, "add_endpoint_secret", {"id": endpoint_id, "secret": sealed})
     return secret
 
 
@@ -139,8 +140,8 @@ def _checked_secret(gateway: str, secret: str) -> str:
 
 
 def retire_old_secrets(conn: psycopg.Connection[Row], endpoint_id: str) -> None:
-    with conn.transaction():
-        params = {"id": _uuid(endpoint_id, "endpoint"), "keep_days": RETIRED_SECRET_DAYS}
+    params = {"id": _uuid(endpoint_id, "endpoint"), "keep_days": RETIRED_SECRET_DAYS}
+    with tenant_transaction(conn, tenant_of(conn, "webhook_endpoints", params["id"])):
         if execute(conn, "retire_endpoint_secrets", params) != 1:
             raise NotFound(f"no endpoint {endpoint_id}")
 
@@ -164,13 +165,14 @@ def add_order(
     if not re.fullmatch("[A-Za-z]{3}", currency):
         raise PayhookError("--currency must be a three-letter code such as EUR")
     order_id = str(uuid.uuid4())
+    tenant_id = _uuid(tenant_id, "--tenant")
     try:
-        with conn.transaction():
+        with tenant_transaction(conn, tenant_id):
             execute(
                 conn,
                 "insert_order",
                 {
-                    "tenant_id": _uuid(tenant_id, "--tenant"),
+                    "tenant_id": tenant_id,
                     "id": order_id,
                     "merchant_reference": merchant_reference,
                     "gateway_order_id": gateway_order_id,

@@ -59,7 +59,7 @@ def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
     keyring = Keyring.from_settings(settings)
     if keyring:
         # Plaintext an older release wrote is sealed as part of the upgrade.
-        with connect(settings) as conn:
+        with connect(settings, "migrate", owner=True) as conn:
             sealed = reseal_all(conn, keyring, plaintext_only=True)
         print(f"sealed the secrets of {sealed.resealed} row(s)")
         if sealed.remaining:
@@ -134,7 +134,7 @@ def cmd_secrets(args: argparse.Namespace, settings: Settings) -> int:
     from payhook.sealing import Keyring
 
     keyring = Keyring.from_settings(settings)
-    with connect(settings) as conn:
+    with connect(settings, "secrets", owner=True) as conn:
         if args.action == "check":
             checked = check_all(conn, keyring)
             print(
@@ -489,7 +489,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PayhookError as exc:
         print(f"payhook: error: {exc}", file=sys.stderr)
         return 2
-    except psycopg.errors.UndefinedTable as exc:
+    except (
+        psycopg.errors.UndefinedTable,
+        psycopg.errors.UndefinedFunction,
+        psycopg.errors.InvalidSchemaName,
+    ) as exc:
         first = str(exc).splitlines()[0] if str(exc) else "a table is missing"
         print(f"payhook: error: PostgreSQL: {first}; run `payhook migrate`", file=sys.stderr)
         return 2

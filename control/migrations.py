@@ -154,7 +154,7 @@ def applied_versions(conn: psycopg.Connection[Row]) -> set[int]:
 def pending_migrations(settings: Settings, folder: Path | None = None) -> list[Migration]:
     """The migrations the database has not applied yet."""
     migrations = list_migrations(folder)
-    with connect(settings, "migrate", options=SESSION_OPTIONS) as conn:
+    with connect(settings, "migrate", owner=True, options=SESSION_OPTIONS) as conn:
         present = fetch_one(conn, "table_exists", {"table": "payhook.schema_migrations"})
         done = applied_versions(conn) if present and present["present"] else set()
     return [m for m in migrations if m.version not in done]
@@ -180,7 +180,7 @@ def apply_migrations(
         f"-c lock_timeout={lock_timeout} "
         f"-c statement_timeout={statement_timeout or STATEMENT_TIMEOUT} " + SESSION_OPTIONS
     )
-    with connect(settings, "migrate", options=options) as conn:
+    with connect(settings, "migrate", owner=True, options=options) as conn:
         _lock(conn)
         try:
             conn.execute(query("create_migrations_table"))
@@ -203,7 +203,7 @@ def migrate(settings: Settings) -> list[str]:
     that a deploy whose code and migrations disagree stops before its
     consumers start."""
     applied = apply_migrations(settings)
-    with connect(settings, "migrate") as conn:
+    with connect(settings, "migrate", owner=True) as conn:
         check_outcomes(conn)
     return applied
 

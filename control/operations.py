@@ -35,7 +35,7 @@ from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 from rq.utils import now, utcformat
 
-from payhook.db import Row, connect, fetch_all, fetch_one, tolerant_cursor
+from payhook.db import Row, connect, fetch_all, fetch_one, tenant_transaction, tolerant_cursor
 from payhook.errors import NotFound, PayhookError
 from payhook.gateways.storable import character_problem, storable_event_id
 from payhook.queue import APPLY_EVENT, ReadableJob, events_queue, redis_connection
@@ -76,7 +76,7 @@ def trace_event(conn: psycopg.Connection[Row], tenant_id: str, event_id: str) ->
     Whatever was stored is shown: a time Python cannot hold is its text.
     """
     tenant = _uuid(tenant_id, "--tenant")
-    with tolerant_cursor(conn) as cur:
+    with tenant_transaction(conn, tenant), tolerant_cursor(conn) as cur:
         ids = _stored_ids(event_id)
         key = {"tenant_id": tenant, "event_id": ids[0]}
         receipt = None
@@ -174,16 +174,13 @@ def list_exceptions(
     tenant_id: str | None = None,
     limit: int = 50,
 ) -> list[Row]:
-    return fetch_all(
-        conn,
-        "list_exceptions",
-        {
-            "include_resolved": include_resolved,
-            "kind": kind,
-            "tenant_id": _uuid(tenant_id, "--tenant") if tenant_id else None,
-            "limit": _limit(limit),
-        },
-    )
+    """Newest first; of one tenant, or of every tenant (an audited path)."""
+    params = {"include_resolved": include_resolved, "kind": kind, "limit": _limit(limit)}
+    if tenant_id is None:
+        return fetch_all(conn, "list_every_tenants_exceptions", params)
+    tenant = _uuid(tenant_id, "--tenant")
+    with tenant_transaction(conn, tenant):
+        return fetch_all(conn, "list_exceptions", params | {"tenant_id": tenant})
 
 
 def list_anomalies(
@@ -193,6 +190,7 @@ def list_anomalies(
     since: float | None = None,
     limit: int = 50,
 ) -> list[Row]:
+    """Newest first, of every tenant and of none (an audited path)."""
     return fetch_all(conn, "list_anomalies", {"kind": kind, "since": since, "limit": _limit(limit)})
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import psycopg
 
-from payhook.db import Row, connect, execute, fetch_all, fetch_one
+from payhook.db import Row, connect, execute, fetch_all, fetch_one, tenant_of, tenant_transaction
 from payhook.errors import NotFound, PayhookError
 from payhook.settings import Settings
 
@@ -51,7 +51,10 @@ def list_rows(conn: psycopg.Connection[Row], state: str | None, limit: int) -> l
 def retry_row(conn: psycopg.Connection[Row], row_id: str) -> Row:
     """Make one row due now; `NotFound` or `NotRetryable` explain a refusal."""
     params = {"id": _uuid(row_id)}
-    with conn.transaction():
+    tenant_id = tenant_of(conn, "payment_outbox", params["id"])
+    if tenant_id is None:
+        raise NotFound(f"no outbox row {row_id}")
+    with tenant_transaction(conn, tenant_id):
         row = fetch_one(conn, "retry_outbox_row", params)
         if row is not None:
             execute(conn, "notify_outbox")
@@ -67,7 +70,8 @@ def retry_row(conn: psycopg.Connection[Row], row_id: str) -> Row:
 def retry_dead(conn: psycopg.Connection[Row]) -> int:
     """Make every dead row due now; how many."""
     with conn.transaction():
-        count = execute(conn, "retry_dead_outbox_rows")
+        row = fetch_one(conn, "retry_dead_outbox_rows")
+        count = 0 if row is None else int(row["retried"])
         if count:
             execute(conn, "notify_outbox")
     return count

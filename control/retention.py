@@ -33,7 +33,6 @@ from control.alerts import AlertSettings
 from payhook.db import Row, connect, fetch_one
 from payhook.errors import SettingsError
 from payhook.horizon import describe
-from payhook.queries import query
 from payhook.settings import Settings
 
 log = structlog.get_logger(__name__)
@@ -134,9 +133,8 @@ def run_retention(
         deleted[name] = 0
         while True:
             with conn.transaction():
-                count = conn.execute(
-                    query(statement), {"cutoff": cutoffs[name], "batch": batch}
-                ).rowcount
+                found = fetch_one(conn, statement, {"cutoff": cutoffs[name], "batch": batch})
+                count = 0 if found is None else int(found["deleted"])
             batches += 1
             deleted[name] += count
             if count < batch:

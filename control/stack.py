@@ -325,7 +325,7 @@ def run(
         keyring = Keyring.from_settings(child_settings)
         applied = migrate(child_settings)
         out.say(f"migrations: {len(applied)} applied {' '.join(applied)}".rstrip())
-        with connect(child_settings, "up") as conn:
+        with connect(child_settings, "up", owner=True) as conn:
             # Plaintext a release before sealing left in the state folder's database.
             reseal_all(conn, keyring, plaintext_only=True)
         demo = ensure_demo(child_settings, options.fulfilment_url, keyring)
@@ -564,7 +564,7 @@ def ensure_key_file(path: Path, out: Output) -> Path:
 
 def ensure_demo(settings: Settings, fulfilment_url: str | None, keyring: Keyring) -> Demo | None:
     """The demo tenant's endpoint and an order awaiting payment; created in an empty database."""
-    with connect(settings, "up") as conn:
+    with connect(settings, "up", owner=True) as conn:
         count = fetch_one(conn, "count_tenants")
         if count is not None and count["tenants"] == 0:
             destinations = DestinationPolicy.from_settings(settings)

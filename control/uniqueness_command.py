@@ -34,7 +34,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     pending = not args.table
     remaining = False
     options = f"-c lock_timeout={LOCK_TIMEOUT} {SESSION_OPTIONS}"
-    with connect(settings, "uniqueness", options=options) as conn:
+    with connect(settings, "uniqueness", owner=True, options=options) as conn:
         for rule in rules:
             if isinstance(rule, UncheckableRule):
                 print(

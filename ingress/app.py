@@ -35,7 +35,9 @@ class Ingress:
         self._postgres: PostgresEndpoints | None = None
         if load_endpoints is None:
             self._postgres = load_endpoints = PostgresEndpoints(
-                settings.database_url, Keyring.from_settings(settings)
+                settings.database_url,
+                Keyring.from_settings(settings),
+                role=settings.database_role,
             )
         self.refresher = Refresher(
             self.cache, load_endpoints, settings.endpoint_refresh, on_result=self._count_refresh

@@ -24,7 +24,7 @@ from payhook.db import connection_kwargs
 from payhook.endpoints import Endpoint, open_secret
 from payhook.queries import query
 from payhook.sealing import Keyring, MissingKey, is_sealed
-from payhook.settings import Secret
+from payhook.settings import DEFAULT_DATABASE_ROLE, Secret
 
 log = structlog.get_logger(__name__)
 
@@ -77,9 +77,14 @@ class PostgresEndpoints:
     Sealed secrets are opened here, so the cache holds them only in memory."""
 
     def __init__(
-        self, database_url: str, keyring: Keyring, full_reload: float = FULL_RELOAD
+        self,
+        database_url: str,
+        keyring: Keyring,
+        full_reload: float = FULL_RELOAD,
+        role: str = DEFAULT_DATABASE_ROLE,
     ) -> None:
         self._url = database_url
+        self._role = role
         self._keyring = keyring
         self._full_reload = full_reload
         self._conn: psycopg.AsyncConnection[psycopg.rows.DictRow] | None = None
@@ -96,7 +101,10 @@ class PostgresEndpoints:
             if self._conn is None or self._conn.closed:
                 self._conn = await psycopg.AsyncConnection.connect(
                     self._url,
-                    **(connection_kwargs("ingress", self._url) | {"row_factory": dict_row}),
+                    **(
+                        connection_kwargs("ingress", self._url, role=self._role)
+                        | {"row_factory": dict_row}
+                    ),
                 )
             if self._version is not None and time.monotonic() - self._read_at < self._full_reload:
                 cursor = await self._conn.execute(query("endpoint_version"))

@@ -15,7 +15,7 @@ from typing import Any
 
 import psycopg
 
-from payhook.db import Row, execute, fetch_all, fetch_one
+from payhook.db import Row, execute, fetch_all, fetch_one, tenant_transaction
 from payhook.errors import PayhookError
 from payhook.sealing import Keyring, SealingError, tenant_aad
 from payhook.settings import Secret
@@ -85,7 +85,8 @@ def mark_dead(conn: psycopg.Connection[Row], claim: Claim, error: str) -> None:
 
 def release(conn: psycopg.Connection[Row], claim: Claim) -> bool:
     """Give back a row that was never attempted; False when the claim was already stale."""
-    return execute(conn, "release_outbox_claim", claim.key()) == 1
+    with tenant_transaction(conn, claim.tenant_id):
+        return execute(conn, "release_outbox_claim", claim.key()) == 1
 
 
 def seconds_until_due(conn: psycopg.Connection[Row]) -> float | None:
@@ -103,7 +104,9 @@ def short_error(error: str) -> str:
 
 
 def _fenced(conn: psycopg.Connection[Row], name: str, claim: Claim, params: dict[str, Any]) -> None:
-    if execute(conn, name, claim.key() | params) != 1:
+    with tenant_transaction(conn, claim.tenant_id):
+        touched = execute(conn, name, claim.key() | params)
+    if touched != 1:
         raise StaleClaim(f"outbox row {claim.id}: claim {claim.token} is no longer current")
 
 

@@ -8,6 +8,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, suppress
 from datetime import datetime
 from typing import Any
+from uuid import UUID
 
 import psycopg
 from psycopg import pq
@@ -18,6 +19,7 @@ from psycopg.rows import dict_row
 from psycopg.types.datetime import TimestamptzLoader
 from psycopg_pool import ConnectionPool
 
+from payhook.errors import DatabaseRoleError
 from payhook.queries import query
 from payhook.settings import Settings
 
@@ -53,13 +55,23 @@ SESSION_SETTINGS = {"default_transaction_isolation": "read committed"}
 
 
 def connection_kwargs(
-    component: str, url: str, settings: Mapping[str, str] | None = None
+    component: str,
+    url: str,
+    settings: Mapping[str, str] | None = None,
+    *,
+    role: str | None = None,
 ) -> dict[str, Any]:
     """Options for every connection a payhook process holds to `url`, with
-    `SESSION_SETTINGS` and `settings` after any `options` the URL gives."""
+    `SESSION_SETTINGS` and `settings` after any `options` the URL gives.
+
+    With `role`, the connection works as that role from its start (the
+    server's `role` setting, as `SET ROLE` would): `payhook_app`, under
+    row-level security, for everything but the owner's commands.
+    """
     given = conninfo_to_dict(url)
     options = [str(given["options"])] if given.get("options") else []
-    for name, value in (SESSION_SETTINGS | dict(settings or {})).items():
+    extra = {"role": role} if role else {}
+    for name, value in (SESSION_SETTINGS | extra | dict(settings or {})).items():
         escaped = value.replace("\\", "\\\\").replace(" ", "\\ ")
         options.append(f"-c {name}={escaped}")
     return {
@@ -88,7 +100,9 @@ def create_pool(
     if statement_timeout is not None:
         ms = str(max(1, int(statement_timeout * 1000)))
         timeouts = {"statement_timeout": ms, "idle_in_transaction_session_timeout": ms}
-    kwargs = connection_kwargs(component, settings.database_url, timeouts)
+    kwargs = connection_kwargs(
+        component, settings.database_url, timeouts, role=settings.database_role
+    )
     return ConnectionPool(
         settings.database_url,
         connection_class=psycopg.Connection[Row],
@@ -103,11 +117,43 @@ def create_pool(
 
 
 def connect(
-    settings: Settings, component: str = "cli", **overrides: Any
+    settings: Settings, component: str = "cli", *, owner: bool = False, **overrides: Any
 ) -> psycopg.Connection[Row]:
-    """One connection, for commands and tests."""
-    kwargs = connection_kwargs(component, settings.database_url) | overrides
-    return psycopg.connect(settings.database_url, **kwargs)
+    """One connection, for commands and tests, as `settings.database_role`
+    (under row-level security) unless `owner`: as the role the URL logs in
+    as, for the commands that change the schema or every tenant's secrets."""
+    role = None if owner else settings.database_role
+    kwargs = connection_kwargs(component, settings.database_url, role=role)
+    if "options" in overrides:
+        # After the role and session settings, never instead of them.
+        kwargs["options"] = f"{kwargs['options']} {overrides.pop('options')}"
+    try:
+        return psycopg.connect(settings.database_url, **(kwargs | overrides))
+    except psycopg.OperationalError as exc:
+        if role and role_refused(exc, role):
+            raise DatabaseRoleError(role) from exc
+        raise
+
+
+def role_refused(exc: psycopg.OperationalError, role: str) -> bool:
+    """Whether the server refused a connection for its `role` setting: the
+    role does not exist, or the login may not take it."""
+    text = str(exc)
+    return f'role "{role}" does not exist' in text or f'set role "{role}"' in text
+
+
+@contextmanager
+def tenant_transaction(
+    conn: psycopg.Connection[Row], tenant_id: str | UUID | None
+) -> Iterator[None]:
+    """A transaction that sees and writes only `tenant_id`'s rows: the
+    tenant row-level security reads (`payhook.current_tenant()`) is set
+    until it ends. None: no tenant's rows (a security anomaly that names no
+    tenant may still be written). Nested in another transaction, a
+    savepoint of it."""
+    with conn.transaction():
+        conn.execute(query("set_tenant"), {"tenant_id": tenant_id})
+        yield
 
 
 @contextmanager
@@ -229,6 +275,15 @@ def execute(
 ) -> int:
     """Run a named query; the number of rows it touched."""
     return conn.execute(query(name), params or {}).rowcount
+
+
+def tenant_of(conn: psycopg.Connection[Row], table: str, row_id: object) -> str | None:
+    """The tenant of the row of `table` (`payment_exceptions`, `payment_outbox`,
+    `webhook_endpoints`) whose id is `row_id`, None when there is none: the
+    one lookup across tenants an operator's command makes before it works
+    under that tenant (`tenant_transaction`)."""
+    row = fetch_one(conn, "tenant_of", {"table": table, "id": str(row_id)})
+    return None if row is None or row["tenant_id"] is None else str(row["tenant_id"])
 
 
 class _TimestamptzOrText(Loader):

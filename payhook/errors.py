@@ -14,6 +14,17 @@ class SettingsError(PayhookError):
     """A setting is missing or malformed."""
 
 
+class DatabaseRoleError(SettingsError):
+    """The database refused the role payhook's connections work as."""
+
+    def __init__(self, role: str) -> None:
+        super().__init__(
+            f"PAYHOOK_DATABASE_ROLE: PostgreSQL refused the role {role!r}: it does not "
+            "exist yet (run `payhook migrate`, which creates it) or the role of "
+            f"DATABASE_URL may not take it (GRANT {role} TO that role)"
+        )
+
+
 class QueryFileError(PayhookError):
     """A named-query file is malformed."""
 

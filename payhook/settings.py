@@ -23,6 +23,8 @@ from payhook.horizon import (
 )
 
 DEFAULT_DATABASE_URL = "postgresql://postgres@127.0.0.1:5432/payhook"
+#: The role migration 0011 creates for the processes, subject to row-level security.
+DEFAULT_DATABASE_ROLE = "payhook_app"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_QUEUE = "payhook-events"
 
@@ -96,6 +98,10 @@ class Settings:
     """Everything a payhook process reads from its environment."""
 
     database_url: str = DEFAULT_DATABASE_URL
+    #: The role every connection but the owner's works as
+    #: (`PAYHOOK_DATABASE_ROLE`): row-level security applies to it. Empty:
+    #: the role the URL logs in as, which must then be subject to it too.
+    database_role: str = DEFAULT_DATABASE_ROLE
     redis_url: str = DEFAULT_REDIS_URL
     queue: str = DEFAULT_QUEUE
     #: Environment name of the process, for logs (`PAYHOOK_ENV`).
@@ -155,6 +161,8 @@ class Settings:
             "queue": environ.get("PAYHOOK_QUEUE") or DEFAULT_QUEUE,
         }
         _check_url("DATABASE_URL", values["database_url"], ("postgresql://", "postgres://"))
+        if "PAYHOOK_DATABASE_ROLE" in environ:
+            values["database_role"] = _role_name(environ["PAYHOOK_DATABASE_ROLE"])
         _check_url("REDIS_URL", values["redis_url"], ("redis://", "rediss://", "unix://"))
         ints = {
             "db_pool_size": "PAYHOOK_DB_POOL_SIZE",
@@ -217,6 +225,15 @@ def _check_receipt_retention(seconds: float) -> None:
             f"gateway redelivery window ({gateway}, {describe(REDELIVERY_WINDOWS[gateway])}) "
             f"plus a {describe(REDELIVERY_MARGIN)} margin; use at least {describe(minimum)}"
         )
+
+
+def _role_name(raw: str) -> str:
+    role = raw.strip()
+    if role and not re.fullmatch(r"[a-z_][a-z0-9_$]{0,62}", role):
+        raise SettingsError(
+            f"PAYHOOK_DATABASE_ROLE: expected a lower-case PostgreSQL role name, got {raw!r}"
+        )
+    return role
 
 
 def _check_url(name: str, value: str, schemes: tuple[str, ...]) -> None:

@@ -118,6 +118,16 @@ def settings(database: str, redis_conn: Redis) -> Settings:
 
 @pytest.fixture
 def conn(settings: Settings) -> Iterator[psycopg.Connection[Row]]:
+    """The owner's connection, which row-level security does not restrict:
+    tests seed and inspect every tenant's rows through it."""
+    with connect(settings, "test", owner=True) as connection:
+        yield connection
+
+
+@pytest.fixture
+def app_conn(settings: Settings) -> Iterator[psycopg.Connection[Row]]:
+    """A connection as the processes and commands hold one: as
+    `payhook_app`, under row-level security."""
     with connect(settings, "test") as connection:
         yield connection
 

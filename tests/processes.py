@@ -20,6 +20,7 @@ def process_env(settings: Settings, **extra: str) -> dict[str, str]:
         "DATABASE_URL": str(settings.database_url),
         "REDIS_URL": str(settings.redis_url),
         "PAYHOOK_QUEUE": settings.queue,
+        "PAYHOOK_DATABASE_ROLE": settings.database_role,
         "PAYHOOK_LOG_LEVEL": "INFO",
     }
     # The key-encryption keys the settings name (a process opens the secrets with them).

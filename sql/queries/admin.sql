@@ -40,3 +40,13 @@ INSERT INTO payhook.payment_orders
        (tenant_id, id, merchant_reference, gateway_order_id, amount_minor, currency)
 VALUES (%(tenant_id)s, %(id)s, %(merchant_reference)s, %(gateway_order_id)s,
         %(amount_minor)s, %(currency)s)
+
+-- set_tenant --
+-- The tenant of the rest of this transaction: row-level security shows and
+-- lets it write only that tenant's rows (migration 0011).
+SELECT payhook.set_tenant(%(tenant_id)s::uuid)
+
+-- tenant_of --
+-- The tenant of the row of %(table)s an operator names by its id, NULL when
+-- there is none; counted in payhook.cross_tenant_audit (migration 0011).
+SELECT payhook.tenant_of_v1(%(table)s, %(id)s) AS tenant_id

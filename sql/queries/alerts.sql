@@ -1,37 +1,15 @@
 -- count_alert_signals --
--- The alert signals PostgreSQL holds, in one round trip: payload-digest
--- conflicts and jobs the consumer refused (forged or unverifiable signature,
--- unknown endpoint, unreadable job) detected in the last %(window)s seconds,
--- unresolved exceptions of authentic events that named no order, unresolved
--- refusals of events older than the retention horizon, every other
--- unresolved exception, outbox rows still pending %(sla)s seconds after
--- they were written, and dead outbox rows.
-SELECT
-    (SELECT count(*)
-       FROM payhook.security_anomalies
-      WHERE kind = 'digest_conflict'
-        AND detected_at > now() - make_interval(secs => %(window)s)) AS digest_conflicts,
-    (SELECT count(*)
-       FROM payhook.security_anomalies
-      WHERE kind <> 'digest_conflict'
-        AND detected_at > now() - make_interval(secs => %(window)s)) AS rejected_jobs,
-    (SELECT count(*)
-       FROM payhook.payment_exceptions
-      WHERE kind = 'unmapped_order' AND resolved_at IS NULL) AS unmapped_events,
-    (SELECT count(*)
-       FROM payhook.payment_exceptions
-      WHERE kind = 'beyond_horizon' AND resolved_at IS NULL) AS late_events,
-    (SELECT count(*)
-       FROM payhook.payment_exceptions
-      WHERE kind NOT IN ('unmapped_order', 'beyond_horizon')
-        AND resolved_at IS NULL) AS open_exceptions,
-    (SELECT count(*)
-       FROM payhook.payment_outbox
-      WHERE state = 'pending'
-        AND created_at < now() - make_interval(secs => %(sla)s)) AS outbox_overdue,
-    (SELECT count(*)
-       FROM payhook.payment_outbox
-      WHERE state = 'dead') AS outbox_dead
+-- The alert signals PostgreSQL holds, over every tenant, in one round trip:
+-- payload-digest conflicts and jobs the consumer refused (forged or
+-- unverifiable signature, unknown endpoint, unreadable job) detected in the
+-- last %(window)s seconds, unresolved exceptions of authentic events that
+-- named no order, unresolved refusals of events older than the retention
+-- horizon, every other unresolved exception, outbox rows still pending
+-- %(sla)s seconds after they were written, and dead outbox rows. The owner's
+-- narrow function (migration 0011), counted in payhook.cross_tenant_audit.
+SELECT digest_conflicts, rejected_jobs, unmapped_events, late_events, open_exceptions,
+       outbox_overdue, outbox_dead
+  FROM payhook.alert_signals_v1(%(window)s, %(sla)s)
 
 
 -- limit_alert_reads --

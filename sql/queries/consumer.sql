@@ -1,24 +1,29 @@
 -- get_endpoint --
 -- The endpoint a job names, with its tenant, gateway, active and retired
--- secrets (a NULL among them, which only SQL by hand can write, left out).
-SELECT tenant_id, id, gateway, array_remove(secrets, NULL) AS secrets, retired_secrets
-  FROM payhook.webhook_endpoints
- WHERE id = %(endpoint_id)s
+-- secrets; before its tenant is known, so through the owner's narrow
+-- function (migration 0011).
+SELECT tenant_id, id, gateway, secrets, retired_secrets
+  FROM payhook.endpoint_v1(%(endpoint_id)s)
 
 -- apply_event --
 -- Steps 1 to 7 of the consumer's transaction, in one statement: on an
--- autocommit connection, its own transaction (sql/migrations/0009).
-SELECT outcome, order_id, exception_id, parked
-  FROM payhook.apply_event_v1(%(tenant_id)s, %(endpoint_id)s, %(gateway)s, %(delivery_id)s,
-                              %(event)s, %(forced_outcome)s, %(forced_detail)s)
+-- autocommit connection, its own transaction (sql/migrations/0009), under
+-- the event's tenant (set first: the function takes it from set_tenant).
+SELECT e.outcome, e.order_id, e.exception_id, e.parked
+  FROM payhook.set_tenant(%(tenant_id)s::uuid) AS t (tenant_id),
+       LATERAL payhook.apply_event_v1(t.tenant_id, %(endpoint_id)s, %(gateway)s,
+                                      %(delivery_id)s, %(event)s, %(forced_outcome)s,
+                                      %(forced_detail)s) AS e
 
 -- replay_exception --
 -- The replay of an exception's event in one statement: the locks (exception,
 -- receipt, order), the decision and the writes run on the server
--- (sql/migrations/0010). `tenant_id` NULL finds any tenant's exception.
-SELECT tenant_id, event_id, outcome, resolved, changed, order_id, from_state, to_state,
-       action, detail, parked
-  FROM payhook.replay_exception_v1(%(id)s::bigint, %(tenant_id)s::uuid, %(dry_run)s::boolean)
+-- (sql/migrations/0010), under the exception's tenant, set first.
+SELECT r.tenant_id, r.event_id, r.outcome, r.resolved, r.changed, r.order_id, r.from_state,
+       r.to_state, r.action, r.detail, r.parked
+  FROM payhook.set_tenant(%(tenant_id)s::uuid) AS t (tenant_id),
+       LATERAL payhook.replay_exception_v1(%(id)s::bigint, t.tenant_id,
+                                           %(dry_run)s::boolean) AS r
 
 -- decide --
 -- The rules: what an event (Event.to_json()) does to the orders it mapped

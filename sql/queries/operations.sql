@@ -50,14 +50,21 @@ SELECT id, kind, delivery_id, stored_sha256, received_sha256, detected_at
  ORDER BY id
 
 -- list_exceptions --
--- Newest exceptions first: open ones, or all; optionally of one kind or tenant.
+-- Newest exceptions of one tenant first: open ones, or all; optionally of one kind.
 SELECT id, tenant_id, event_id, order_id, kind, detail, created_at, resolved_at
   FROM payhook.payment_exceptions
- WHERE (%(include_resolved)s::boolean OR resolved_at IS NULL)
+ WHERE tenant_id = %(tenant_id)s
+   AND (%(include_resolved)s::boolean OR resolved_at IS NULL)
    AND (%(kind)s::text IS NULL OR kind = %(kind)s::text)
-   AND (%(tenant_id)s::uuid IS NULL OR tenant_id = %(tenant_id)s::uuid)
  ORDER BY created_at DESC, id DESC
  LIMIT %(limit)s
+
+-- list_every_tenants_exceptions --
+-- The same over every tenant: the owner's narrow function (migration 0011),
+-- counted in payhook.cross_tenant_audit.
+SELECT id, tenant_id, event_id, order_id, kind, detail, created_at, resolved_at
+  FROM payhook.operator_exceptions_v1(%(include_resolved)s::boolean, %(kind)s::text,
+                                      %(limit)s)
 
 -- lock_exception --
 -- The exception and its stored event, locked, so closing it by hand and a
@@ -80,16 +87,12 @@ UPDATE payhook.payment_exceptions
  WHERE tenant_id = %(tenant_id)s AND id = %(id)s AND resolved_at IS NULL
 
 -- list_anomalies --
--- Newest security anomalies first, optionally of one kind or from the last
--- %(since)s seconds.
+-- Newest security anomalies first, of every tenant and of none, optionally
+-- of one kind or from the last %(since)s seconds: the owner's narrow
+-- function (migration 0011), counted in payhook.cross_tenant_audit.
 SELECT id, tenant_id, event_id, endpoint_id, delivery_id, kind, stored_sha256,
        received_sha256, detected_at
-  FROM payhook.security_anomalies
- WHERE (%(kind)s::text IS NULL OR kind = %(kind)s::text)
-   AND (%(since)s::float8 IS NULL
-        OR detected_at > now() - make_interval(secs => %(since)s::float8))
- ORDER BY detected_at DESC, id DESC
- LIMIT %(limit)s
+  FROM payhook.operator_anomalies_v1(%(kind)s::text, %(since)s::float8, %(limit)s)
 
 -- count_tenants --
 -- `payhook up`: whether the database has any tenant yet.

@@ -1,28 +1,15 @@
 -- claim_outbox_rows --
--- Claim up to %(batch)s due rows for %(lease)s seconds, each with a fresh claim
--- token, and count the attempt. A claimed row is not due again until its lease
+-- Claim up to %(batch)s due rows, of any tenant, for %(lease)s seconds, each
+-- with a fresh claim token, and count the attempt: the owner's narrow
+-- function (migration 0011). A claimed row is not due again until its lease
 -- ends (next_attempt_at = claimed_until), so the partial index on
--- next_attempt_at finds new rows, retries and abandoned claims alike.
--- The tenant's URL and secret are read at claim time, so a changed URL
--- applies to rows still pending.
-WITH due AS (
-    SELECT tenant_id, id
-      FROM payhook.payment_outbox
-     WHERE state = 'pending' AND next_attempt_at <= now()
-     ORDER BY next_attempt_at
-     LIMIT %(batch)s
-       FOR UPDATE SKIP LOCKED
-)
-UPDATE payhook.payment_outbox AS o
-   SET claim_token = gen_random_uuid(),
-       claimed_until = now() + make_interval(secs => %(lease)s),
-       next_attempt_at = now() + make_interval(secs => %(lease)s),
-       attempts = o.attempts + 1
-  FROM due
-  LEFT JOIN payhook.tenants AS t ON t.id = due.tenant_id
- WHERE o.tenant_id = due.tenant_id AND o.id = due.id
-RETURNING o.tenant_id, o.id, o.order_id, o.event_id, o.action, o.payload, o.attempts,
-          o.claim_token, o.claimed_until, t.fulfilment_url, t.signing_secret
+-- next_attempt_at finds new rows, retries and abandoned claims alike. The
+-- tenant's URL and secret are read at claim time, so a changed URL applies
+-- to rows still pending. The writes below fence on the claim token, each
+-- under the row's tenant.
+SELECT tenant_id, id, order_id, event_id, action, payload, attempts, claim_token,
+       claimed_until, fulfilment_url, signing_secret
+  FROM payhook.claim_outbox_v1(%(batch)s, %(lease)s)
 
 -- mark_outbox_delivered --
 -- Fenced completion: only the holder of the current claim token records success.
@@ -56,20 +43,16 @@ UPDATE payhook.payment_outbox
    AND claim_token = %(claim_token)s AND state = 'pending'
 
 -- next_outbox_due --
--- Seconds until the earliest pending row is due (negative when one is due now);
--- null when nothing is pending.
-SELECT extract(epoch FROM min(next_attempt_at) - now())::float8 AS seconds
-  FROM payhook.payment_outbox
- WHERE state = 'pending'
+-- Seconds until the earliest pending row of any tenant is due (negative when
+-- one is due now); null when nothing is pending (migration 0011).
+SELECT payhook.next_outbox_due_v1() AS seconds
 
 -- list_outbox_rows --
--- Newest rows first, optionally of one state, for operators.
+-- Newest rows of every tenant first, optionally of one state, for operators
+-- (migration 0011; counted in payhook.cross_tenant_audit).
 SELECT id, tenant_id, order_id, event_id, action, state, attempts, created_at,
        next_attempt_at, claimed_until, delivered_at, last_error
-  FROM payhook.payment_outbox
- WHERE %(state)s::text IS NULL OR state = %(state)s::text
- ORDER BY created_at DESC, id
- LIMIT %(limit)s
+  FROM payhook.operator_outbox_v1(%(state)s::text, %(limit)s)
 
 -- get_outbox_row --
 -- One row by id, to explain why it cannot be retried.
@@ -89,11 +72,9 @@ UPDATE payhook.payment_outbox
 RETURNING id, tenant_id
 
 -- retry_dead_outbox_rows --
--- Make every dead row due now with a fresh attempt count.
-UPDATE payhook.payment_outbox
-   SET state = 'pending', attempts = 0, next_attempt_at = now(),
-       claim_token = NULL, claimed_until = NULL
- WHERE state = 'dead'
+-- Make every dead row of every tenant due now with a fresh attempt count
+-- (migration 0011; counted in payhook.cross_tenant_audit).
+SELECT payhook.operator_retry_dead_outbox_v1() AS retried
 
 -- notify_outbox --
 -- Wake the outbox workers now, as the insert trigger does for new rows.

@@ -1,11 +1,7 @@
 -- any_sealed_secret --
 -- Whether any stored secret is sealed: a process without a key refuses to
--- start when one is. Stops at the first found.
-SELECT EXISTS (SELECT 1 FROM payhook.tenants WHERE starts_with(signing_secret, 'sealed:'))
-    OR EXISTS (SELECT 1 FROM payhook.webhook_endpoints AS e
-                WHERE EXISTS (SELECT 1 FROM unnest(e.secrets) AS s WHERE starts_with(s, 'sealed:'))
-                   OR EXISTS (SELECT 1 FROM jsonb_array_elements(e.retired_secrets) AS r
-                               WHERE starts_with(r ->> 'secret', 'sealed:'))) AS sealed
+-- start when one is. Across tenants: the owner's narrow function (0011).
+SELECT payhook.any_sealed_secret_v1() AS sealed
 
 -- lock_tenants_to_seal --
 -- Up to %(batch)s tenants after %(after)s (by id; NULL: from the start) whose

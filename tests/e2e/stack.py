@@ -294,7 +294,7 @@ class Stack:
 
     @contextmanager
     def db(self) -> Iterator[psycopg.Connection[Row]]:
-        with connect(self.settings, "test") as conn:
+        with connect(self.settings, "test", owner=True) as conn:
             yield conn
 
     def shop(self) -> Shop:

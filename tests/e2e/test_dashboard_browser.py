@@ -103,7 +103,11 @@ def test_an_operator_requeues_a_dead_letter_job_in_the_browser_and_it_is_applied
     queue = events_queue(redis_conn, quick)
     # A consumer deployed with a role that cannot read the schema: the payment's
     # job fails, is retried once, fails again and lands in the dead-letter queue.
-    broken = start(["consumer"], env | {"DATABASE_URL": unprivileged_url}, tmp_path / "broken.log")
+    broken = start(
+        ["consumer"],
+        env | {"DATABASE_URL": unprivileged_url, "PAYHOOK_DATABASE_ROLE": ""},
+        tmp_path / "broken.log",
+    )
     envelope = factory.standard_envelope(shop, StandardEvent())
     job = enqueue_event(queue, envelope, quick)
     port = free_port()

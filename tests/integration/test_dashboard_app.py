@@ -556,7 +556,7 @@ def test_scrapes_behind_a_locked_table_hold_one_connection_at_most(
     app = create_app(settings, USER, PASSWORD)
     most = 0
     with (
-        connect(settings, "test") as watcher,
+        connect(settings, "test", owner=True) as watcher,
         locked(settings, "payment_outbox"),
         ThreadPoolExecutor(6) as pool,
     ):

@@ -39,7 +39,7 @@ def test_a_statement_interrupted_while_waiting_on_a_lock_is_cancelled_and_commit
     conn.execute("CREATE TABLE locked (n int PRIMARY KEY, seen int)")
     conn.execute("CREATE TABLE written (n int)")
     conn.execute("INSERT INTO locked VALUES (1, 0)")
-    with connect(settings, "holder", autocommit=False) as holder:
+    with connect(settings, "holder", autocommit=False, owner=True) as holder:
         holder.execute("SELECT 1 FROM locked WHERE n = 1 FOR UPDATE")
         with released_after(holder) as released_by_watchdog:
             with (
@@ -54,7 +54,7 @@ def test_a_statement_interrupted_while_waiting_on_a_lock_is_cancelled_and_commit
         assert not released_by_watchdog.is_set(), "the statement waited for the lock holder"
         holder.rollback()
     assert conn.closed, "a connection left mid-statement is closed, not reused"
-    with connect(settings, "check") as check:
+    with connect(settings, "check", owner=True) as check:
         assert check.execute("SELECT count(*) AS n FROM written").fetchone() == {"n": 0}
         # The lock is free at once: the cancelled statement holds nothing.
         check.execute("SET lock_timeout = '5s'")
@@ -89,7 +89,7 @@ def test_every_connection_finds_a_silently_lost_server_within_about_a_minute(
         found = conn.info.get_parameters()
         return {k: found.get(k, "") for k in wanted}
 
-    with connect(settings) as one:
+    with connect(settings, owner=True) as one:
         assert used(one) == wanted
     pool = create_pool(settings, "test", size=1)
     pool.open(wait=True)
@@ -113,7 +113,7 @@ def test_every_connection_finds_a_silently_lost_server_within_about_a_minute(
     own = dataclasses.replace(
         settings, database_url=f"{settings.database_url}?keepalives_idle=5&tcp_user_timeout=0"
     )
-    with connect(own) as tuned:
+    with connect(own, owner=True) as tuned:
         assert used(tuned) == wanted | {"keepalives_idle": "5", "tcp_user_timeout": "0"}
 
 
@@ -132,7 +132,7 @@ def test_every_connection_reads_committed_whatever_the_database_default(
     own = dataclasses.replace(
         settings, database_url=f"{settings.database_url}?options=-c%20work_mem%3D5MB"
     )
-    with connect(own) as direct:
+    with connect(own, owner=True) as direct:
         assert shown(direct, "transaction_isolation") == "read committed"
         assert shown(direct, "work_mem") == "5MB"
     pool = create_pool(own, "test", size=1, statement_timeout=1.5)
@@ -166,7 +166,7 @@ def test_a_connection_with_something_unasked_to_read_is_kept_if_alive(
     """A notification makes an idle connection readable too: a round trip
     tells it from a server's goodbye."""
     conn.execute("LISTEN payhook_test")
-    with connect(settings) as other:
+    with connect(settings, owner=True) as other:
         other.execute("NOTIFY payhook_test")
     # The listener's backend sends the notification on its own time.
     arrived = select.poll()
@@ -179,7 +179,7 @@ def test_a_connection_with_something_unasked_to_read_is_kept_if_alive(
 
 
 def test_a_connection_the_server_ended_is_known_ended(factory: Factory, settings: Settings) -> None:
-    with connect(settings) as victim:
+    with connect(settings, owner=True) as victim:
         factory.end_backends([victim.info.backend_pid])
         assert ended_by_server(victim)
         assert victim.closed

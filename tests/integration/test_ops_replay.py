@@ -269,7 +269,7 @@ def test_the_replay_of_a_waiting_event_gives_up_on_a_held_lock_and_the_event_sta
     assert refund.exception_id is not None
     payment = apply(conn, shop, StandardEvent())
     assert (payment.outcome, payment.parked) == ("applied", True)
-    with connect(settings, "holder") as holder, holder.transaction():
+    with connect(settings, "holder", owner=True) as holder, holder.transaction():
         holder.execute(
             "SELECT 1 FROM payhook.payment_exceptions WHERE id = %s FOR UPDATE",
             (refund.exception_id,),

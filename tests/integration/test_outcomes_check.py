@@ -152,7 +152,7 @@ def unprivileged(settings: Settings) -> Iterator[Settings]:
 def test_a_role_without_grants_on_the_schema_can_run_the_check(unprivileged: Settings) -> None:
     """It reads only the catalog: a deploy with broken grants starts, and its
     jobs fail where an operator sees them."""
-    with connect(unprivileged, "test") as conn:
+    with connect(unprivileged, "test", owner=True) as conn:
         with pytest.raises(psycopg.errors.InsufficientPrivilege):
             conn.execute("SELECT 1 FROM payhook.payment_event_receipts LIMIT 1")
         check_outcomes(conn)

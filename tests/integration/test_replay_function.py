@@ -112,7 +112,7 @@ def test_a_dry_run_holds_the_replays_locks_until_its_transaction_ends(
         ("SELECT 1 FROM payhook.payment_event_receipts WHERE event_id = %s", event_id["event_id"]),
         ("SELECT 1 FROM payhook.payment_orders WHERE id = %s", order_id),
     )
-    with connect(settings, "other") as other:
+    with connect(settings, "other", owner=True) as other:
         with conn.transaction():
             replay_exception(conn, exception_id, dry_run=True)
             for select, key in rows:
@@ -127,9 +127,10 @@ def test_a_dry_run_holds_the_replays_locks_until_its_transaction_ends(
 def test_a_replay_is_one_statement(
     factory: Factory, settings: Settings, conn: psycopg.Connection[Row]
 ) -> None:
-    """The operator's replay sends the function's call alone; the replay of a
-    waiting event sets its lock timeout first, in the same transaction."""
-    _, _, exception_id, parked_id = waiting_payment(conn, factory)
+    """The operator's replay sends the function's call alone (after finding
+    the exception's tenant, when not given); the replay of a waiting event
+    sets its lock timeout first, in the same transaction."""
+    shop, _, exception_id, parked_id = waiting_payment(conn, factory)
     names = {text: name for name, text in all_queries().items()}
     sent: list[str] = []
 
@@ -140,11 +141,11 @@ def test_a_replay_is_one_statement(
 
     with connect(settings, "replay") as own:
         own.cursor_factory = Recording
-        replay_exception(own, exception_id, follow=False)
+        replay_exception(own, exception_id, tenant_id=shop.tenant_id, follow=False)
         assert sent == ["replay_exception"]
         sent.clear()
         replay_exception(own, parked_id, lock_timeout=PARKED_LOCK_TIMEOUT, follow=False)
-        assert sent == ["local_lock_timeout", "replay_exception"]
+        assert sent == ["tenant_of", "local_lock_timeout", "replay_exception"]
     assert open_exceptions(factory) == 0
 
 

@@ -535,7 +535,10 @@ def test_every_batch_of_a_run_compares_with_the_horizons_it_reports(
         (one_by_one.receipt_retention, young.event_id),
     )
     results: list[RetentionRun] = []
-    with connect(settings, "test") as blocker, connect(settings, "retention") as retention:
+    with (
+        connect(settings, "test", owner=True) as blocker,
+        connect(settings, "retention") as retention,
+    ):
         # The first batch, archiving `old`, waits for this uncommitted insert
         # of the same identity: the run's later batches start 2 s later.
         blocker.execute("BEGIN")

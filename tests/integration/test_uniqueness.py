@@ -367,7 +367,7 @@ def test_blocked_ddl_gives_up_after_lock_timeout_and_writers_go_on(
         tmp_path, "exceptions_note", "ALTER TABLE payhook.payment_exceptions ADD COLUMN note text;"
     )
     before = recorded(conn)
-    with connect(settings, "reader") as reader, reader.transaction():
+    with connect(settings, "reader", owner=True) as reader, reader.transaction():
         reader.execute("SELECT count(*) FROM payhook.payment_exceptions")  # a long reader
         with pytest.raises(MigrationError, match="no lock within lock_timeout in 1 tries"):
             apply_migrations(settings, folder, lock_timeout="200ms", lock_attempts=1)
@@ -393,7 +393,7 @@ def test_blocked_ddl_is_tried_again_until_the_lock_is_free(
         except BaseException as exc:
             errors.append(exc)
 
-    with connect(settings, "reader") as reader, reader.transaction():
+    with connect(settings, "reader", owner=True) as reader, reader.transaction():
         reader.execute("SELECT count(*) FROM payhook.payment_exceptions")
         runner = threading.Thread(target=migrate)
         runner.start()
@@ -429,7 +429,7 @@ def test_a_database_without_the_report_refuses_conflicts_as_unclassified(
     try:
         with pytest.raises(UnresolvedConflicts, match="1 not classified yet"):
             apply_migrations(settings, tmp_path)
-        with connect(settings) as conn:
+        with connect(settings, owner=True) as conn:
             conn.execute("DELETE FROM public.t WHERE x = 2")
             conn.execute("UPDATE public.t SET x = 2 WHERE ctid = (SELECT min(ctid) FROM public.t)")
         assert apply_migrations(settings, tmp_path) == ["0002_index.sql"]

@@ -73,7 +73,7 @@ def test_a_concurrent_build_waits_for_a_long_reader_instead_of_timing_out(
     rather than failing on lock_timeout after building the whole index."""
     folder = folder_with(tmp_path, "exceptions_event_kind_key", RULE_MIGRATION)
     add_exception(conn, "evt_1")
-    with connect(settings, "report") as report, report.transaction():
+    with connect(settings, "report", owner=True) as report, report.transaction():
         report.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
         report.execute("SELECT count(*) FROM payhook.tenants")  # not the indexed table
         thread, results = in_thread(
@@ -98,7 +98,7 @@ def test_lock_timeout_still_applies_to_ddl_after_a_concurrent_build(
         " (kind);\nALTER TABLE payhook.payment_exceptions ADD COLUMN note text;\n"
     )
     folder = folder_with(tmp_path, "exceptions_note", text)
-    with connect(settings, "reader") as reader, reader.transaction():
+    with connect(settings, "reader", owner=True) as reader, reader.transaction():
         reader.execute("SELECT count(*) FROM payhook.payment_exceptions")
         with pytest.raises(MigrationError, match="no lock within lock_timeout in 1 tries"):
             apply_migrations(
@@ -122,7 +122,7 @@ def test_an_invalid_unique_index_that_cannot_be_dropped_stops_the_run_saying_so(
     invalid index still refuses writes, and the error says so and how to drop it."""
     folder = folder_with(tmp_path, "exceptions_event_kind_key", RULE_MIGRATION)
     add_exception(conn, "evt_1")
-    with connect(settings, "dump") as dump, dump.transaction():
+    with connect(settings, "dump", owner=True) as dump, dump.transaction():
         dump.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
         dump.execute("SELECT count(*) FROM payhook.payment_exceptions")
         with pytest.raises(InvalidIndexLeft) as error:
@@ -144,7 +144,7 @@ def test_the_drop_of_an_invalid_index_is_tried_again_until_it_goes(
 ) -> None:
     folder = folder_with(tmp_path, "exceptions_event_kind_key", RULE_MIGRATION)
     add_exception(conn, "evt_1")
-    with connect(settings, "dump") as dump, dump.transaction():
+    with connect(settings, "dump", owner=True) as dump, dump.transaction():
         dump.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
         dump.execute("SELECT count(*) FROM payhook.payment_exceptions")
         thread, results = in_thread(lambda: apply_migrations(settings, folder, lock_attempts=5))
@@ -168,7 +168,7 @@ def test_a_group_that_lost_a_copy_between_the_two_statements_is_not_recorded(
 
     def racing(name: str, parts: dict[str, sql.Composable]) -> sql.Composed:
         if name == "compare_conflicts":
-            with connect(settings, "other-operator") as other:
+            with connect(settings, "other-operator", owner=True) as other:
                 other.execute(
                     "DELETE FROM payhook.payment_exceptions"
                     " WHERE id = (SELECT max(id) FROM payhook.payment_exceptions)"
@@ -198,9 +198,9 @@ def test_a_timestamp_key_checked_in_one_time_zone_is_resolved_from_another(
     conn: psycopg.Connection[Row], settings: Settings
 ) -> None:
     two_copies_at_one_instant(conn)
-    with connect(settings, "op-utc", options="-c TimeZone=UTC") as utc:
+    with connect(settings, "op-utc", options="-c TimeZone=UTC", owner=True) as utc:
         assert check_rule(utc, KIND_AT).summary()["redelivery"] == 1
-    with connect(settings, "op-paris", options="-c TimeZone=Europe/Paris") as paris:
+    with connect(settings, "op-paris", options="-c TimeZone=Europe/Paris", owner=True) as paris:
         resolved = resolve_rule(paris, KIND_AT)
         assert remaining_conflicts(paris, KIND_AT) == {}
     assert (resolved.collapsed, resolved.quarantined) == (1, 1)
@@ -515,7 +515,7 @@ def failing_build_held_by_a_reader(
     folder = folder_with(tmp_path, "exceptions_lower_key", LOWER_RULE)
     add_exception(conn, "evt_1")
     add_exception(conn, "EVT_1")
-    reader = connect(settings, "reader")
+    reader = connect(settings, "reader", owner=True)
     reader.execute("BEGIN")
     reader.execute("SELECT count(*) FROM payhook.payment_exceptions")
     return folder, reader
