@@ -9,8 +9,10 @@
 3. payhook consumers applying first deliveries, then the same events again
    (every job a duplicate).
 4. First deliveries again, by consumers working as the owner, whom
-   row-level security does not restrict (PAYHOOK_DATABASE_ROLE empty): what
-   the policies cost, as a ratio in the same round.
+   row-level security does not restrict (PAYHOOK_DATABASE_ROLE empty), and
+   the same transaction driven directly as the owner: what the policies
+   cost, as ratios in the same round (the direct one, bound by PostgreSQL
+   and not by the queue, shows it best).
 
 Redis is a private redis-server started here with the persistence of
 compose.yaml (`appendfsync always`: RQ's writes are durable, as payhook's
@@ -279,14 +281,17 @@ def run(args: argparse.Namespace, redis_url: str, redis_pid: int | None, redis_l
         name: [] for name in ("noop", "applied", "duplicates", "owner")
     }
     direct_rates: list[float] = []
+    owner_direct_rates: list[float] = []
     fork = 0.0
     # Rounds interleave the phases, so a burst of load elsewhere on the
     # machine hits ceilings and payhook alike; the medians are reported.
     for round_ in range(args.rounds):
         settings = fresh_settings(redis_url)
         meters = find_meters(settings, redis_pid)
-        endpoint, envelopes = make_events(settings, 3 * n)
-        direct_set, queued_set, owner_set = envelopes[:n], envelopes[n : 2 * n], envelopes[2 * n :]
+        endpoint, envelopes = make_events(settings, 4 * n)
+        direct_set, queued_set, owner_set, owner_direct_set = (
+            envelopes[i * n : (i + 1) * n] for i in range(4)
+        )
         # The no-op ceiling and first deliveries (under row-level security or
         # as the owner) take turns going first, so none always runs on the
         # fresher Redis and PostgreSQL.
@@ -295,8 +300,14 @@ def run(args: argparse.Namespace, redis_url: str, redis_pid: int | None, redis_l
             as_role = replace(settings, database_role="") if name == "owner" else settings
             events = owner_set if name == "owner" else queued_set
             phases[name].append(run_workers(as_role, redis, events, mode, "simple", w, meters))
-        direct_rates.append(run_direct(settings, endpoint, direct_set, w))
-        assert count(settings, "payment_outbox") == 3 * n, "every event applied exactly once"
+        as_owner = replace(settings, database_role="")
+        directs = [
+            (direct_rates, settings, direct_set),
+            (owner_direct_rates, as_owner, owner_direct_set),
+        ]
+        for rates, as_role, events in directs[:: 1 if round_ % 2 == 0 else -1]:
+            rates.append(run_direct(as_role, endpoint, events, w))
+        assert count(settings, "payment_outbox") == 4 * n, "every event applied exactly once"
         if round_ == 0:
             fork = run_workers(settings, redis, queued_set, "noop", "fork", w, meters).rate
     redis.flushdb()
@@ -305,6 +316,7 @@ def run(args: argparse.Namespace, redis_url: str, redis_pid: int | None, redis_l
         for k in ("noop", "applied", "duplicates", "owner")
     )
     direct = statistics.median(direct_rates)
+    owner_direct = statistics.median(owner_direct_rates)
     print(
         f"consumer benchmark: {n} events x {args.rounds} rounds, {w} worker processes, "
         f"{os.cpu_count()} cores (medians); Redis {redis_label}"
@@ -327,6 +339,10 @@ def run(args: argparse.Namespace, redis_url: str, redis_pid: int | None, redis_l
         f"  first delivery as the owner        {owner:8.0f} events/s  "
         f"(row-level security costs {1 - applied / owner:.1%})"
     )
+    print(
+        f"  same transaction as the owner      {owner_direct:8.0f} events/s  "
+        f"(row-level security costs {1 - direct / owner_direct:.1%})"
+    )
     # Each round measures its no-op ceiling and first deliveries back to back.
     pairs = zip(phases["applied"], phases["noop"], strict=True)
     per_round = ", ".join(f"{first.rate / ceiling.rate:.0%}" for first, ceiling in pairs)
@@ -334,6 +350,9 @@ def run(args: argparse.Namespace, redis_url: str, redis_pid: int | None, redis_l
     pairs = zip(phases["applied"], phases["owner"], strict=True)
     per_round = ", ".join(f"{rls.rate / bypass.rate:.0%}" for rls, bypass in pairs)
     print(f"  under RLS / as the owner, per round [{per_round}]")
+    direct_pairs = zip(direct_rates, owner_direct_rates, strict=True)
+    per_round = ", ".join(f"{rls / bypass:.0%}" for rls, bypass in direct_pairs)
+    print(f"  same, no queue, per round          [{per_round}]")
     print_cpu(phases)
 
 
