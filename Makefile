@@ -9,10 +9,11 @@ BIN := $(VENV)/bin
 run: install
 	$(BIN)/payhook up
 
-# Four workers on two cores: most tests wait on servers and processes. One
-# file stays on one worker, so a module's stack of processes starts once.
+# Four workers on two cores: most tests wait on servers and processes. Tests
+# go to whichever worker is free; a module that starts one stack of processes
+# for all its tests marks them `xdist_group`, so they stay on one worker.
 test: install services browser lint docs
-	$(BIN)/pytest -n 4 --dist loadfile
+	$(BIN)/pytest -n 4 --dist loadgroup
 
 install: $(VENV)/.installed
 

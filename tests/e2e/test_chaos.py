@@ -21,7 +21,8 @@ from tests.e2e.test_scenarios import fulfil_key, send, tenant_counts
 from tests.factories import StandardEvent
 from tests.processes import wait_until
 
-pytestmark = pytest.mark.slow
+# One stack for the module: its tests run on one parallel worker.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("chaos")]
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,8 @@ from tests.e2e.stack import Stack, running_stack
 from tests.e2e.test_scenarios import send
 from tests.factories import StandardEvent
 
-pytestmark = pytest.mark.slow
+# One stack for the module: its tests run on one parallel worker.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("redis_killed")]
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,8 @@ from tests.e2e.stack import Stack, running_stack
 from tests.factories import Shop, StandardEvent
 from tests.processes import stop, wait_until
 
-pytestmark = pytest.mark.slow
+# One stack for the module: its tests run on one parallel worker.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("scenarios")]
 
 
 @pytest.fixture(scope="module")
