@@ -85,7 +85,8 @@ def stripe_body(
     event_type: str = "payment_intent.succeeded",
     *,
     event_id: str | None = None,
-    payment_intent: str = "pi_1",
+    payment_intent: str | None = "pi_1",
+    charge: str = "ch_1",
     order_ref: str | None = "order-1",
     amount: int = 1999,
     currency: str = "eur",
@@ -93,7 +94,9 @@ def stripe_body(
     received: int | None = None,
 ) -> bytes:
     """A Stripe event; `received` is a PaymentIntent's `amount_received` (by
-    default all of `amount` when it succeeded, nothing when it failed)."""
+    default all of `amount` when it succeeded, nothing when it failed). A
+    charge and a dispute name `charge` and `payment_intent` (None: null, as
+    for a charge of the Charges API)."""
     metadata = {"order_id": order_ref} if order_ref else {}
     if event_type.startswith("payment_intent."):
         if received is None:
@@ -106,7 +109,7 @@ def stripe_body(
         }
     elif event_type == "charge.refunded":
         obj = {
-            "id": "ch_1",
+            "id": charge,
             "object": "charge",
             "payment_intent": payment_intent,
             "amount": amount,
@@ -116,6 +119,7 @@ def stripe_body(
         obj = {
             "id": "dp_1",
             "object": "dispute",
+            "charge": charge,
             "payment_intent": payment_intent,
             "amount": amount,
         }

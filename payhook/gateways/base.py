@@ -24,6 +24,10 @@ MAX_SIGNATURE_HEADER = 4096
 #: Characters an identifier or type read from an event may hold: an index row
 #: holds a few thousand bytes, and no gateway's identifiers come near this.
 MAX_TEXT = 255
+#: Characters a merchant reference may hold: Stripe's metadata values go up
+#: to 500, and an order found by such a reference must be found by its event.
+#: Still well within an index row (2,000 bytes of UTF-8 at most).
+MAX_REFERENCE = 500
 
 
 @dataclass(frozen=True)
@@ -153,14 +157,16 @@ def load_json_object(body: bytes) -> dict[str, Any]:
     return data
 
 
-def require_str(data: Mapping[str, Any], key: str, *, optional: bool = False) -> str | None:
+def require_str(
+    data: Mapping[str, Any], key: str, *, optional: bool = False, limit: int = MAX_TEXT
+) -> str | None:
     value = data.get(key)
     if value is None and optional:
         return None
     if not isinstance(value, str) or not value:
         raise MalformedEvent(key, "expected a non-empty string")
-    if len(value) > MAX_TEXT:
-        raise MalformedEvent(key, f"longer than {MAX_TEXT} characters")
+    if len(value) > limit:
+        raise MalformedEvent(key, f"longer than {limit} characters")
     return value
 
 

@@ -17,6 +17,7 @@ from datetime import datetime
 
 from payhook.errors import MalformedEvent, MalformedHeaders, SignatureMismatch
 from payhook.gateways.base import (
+    MAX_REFERENCE,
     MAX_SIGNATURE_HEADER,
     MAX_TEXT,
     Event,
@@ -111,7 +112,9 @@ class StandardGateway:
             kind=kind,
             occurred_at=occurred_at,
             gateway_order_id=require_str(payment, "gateway_order_id"),
-            merchant_reference=require_str(payment, "merchant_reference", optional=True),
+            merchant_reference=require_str(
+                payment, "merchant_reference", optional=True, limit=MAX_REFERENCE
+            ),
             amount_minor=require_amount(payment, "amount"),
             currency=require_currency(payment, "currency"),
             digest=digest,

@@ -22,7 +22,7 @@ import hashlib
 from datetime import UTC, datetime, timedelta
 
 from payhook.errors import MalformedEvent
-from payhook.gateways.base import MAX_TEXT, Event
+from payhook.gateways.base import MAX_REFERENCE, MAX_TEXT, Event
 
 #: Stored ids that are a digest of the gateway's id. No gateway id beginning
 #: with a reserved prefix is stored as it is, so no two ids share a stored one.
@@ -32,8 +32,14 @@ UNREADABLE_PREFIX = "unreadable:"
 RESERVED_PREFIXES = (HASHED_PREFIX, UNREADABLE_PREFIX)
 #: The type recorded for an event whose own type cannot be read or stored.
 UNREADABLE_TYPE = "unreadable"
-#: The text fields of an event that are stored.
-TEXT_FIELDS = ("event_id", "event_type", "gateway_order_id", "merchant_reference", "currency")
+#: The text fields of an event that are stored, and the characters each may hold.
+TEXT_FIELDS = {
+    "event_id": MAX_TEXT,
+    "event_type": MAX_TEXT,
+    "gateway_order_id": MAX_TEXT,
+    "merchant_reference": MAX_REFERENCE,
+    "currency": MAX_TEXT,
+}
 #: How far ahead of our clock an event's time may be: gateways' clocks drift,
 #: but an event dated later than this did not happen yet.
 MAX_FUTURE = timedelta(days=1)
@@ -49,9 +55,9 @@ def storable_event(event: Event, now: datetime | None = None) -> Event:
     be stored, or its time is not within the calendar and at most
     `MAX_FUTURE` past `now`.
     """
-    for name in TEXT_FIELDS:
+    for name, limit in TEXT_FIELDS.items():
         value = getattr(event, name)
-        problem = None if value is None else text_problem(value)
+        problem = None if value is None else text_problem(value, limit)
         if problem is not None:
             raise MalformedEvent(name, problem)
     occurred_at = event.occurred_at
@@ -95,10 +101,11 @@ def storable_type(value: object) -> str:
     return UNREADABLE_TYPE
 
 
-def text_problem(value: str) -> str | None:
-    """Why `value` cannot be stored as text as it is; None if it can."""
-    if len(value) > MAX_TEXT:
-        return f"longer than {MAX_TEXT} characters"
+def text_problem(value: str, limit: int = MAX_TEXT) -> str | None:
+    """Why `value` cannot be stored as text as it is, at most `limit`
+    characters; None if it can."""
+    if len(value) > limit:
+        return f"longer than {limit} characters"
     return character_problem(value)
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from payhook.errors import MalformedEvent, MalformedHeaders, SignatureMismatch
 from payhook.gateways.base import (
+    MAX_REFERENCE,
     MAX_SIGNATURE_HEADER,
     Event,
     any_signature_matches,
@@ -103,7 +104,9 @@ class StripeGateway:
             raise MalformedEvent("data.object", "expected an object")
         metadata = obj.get("metadata")
         reference = (
-            require_str(metadata, "order_id", optional=True) if isinstance(metadata, dict) else None
+            require_str(metadata, "order_id", optional=True, limit=MAX_REFERENCE)
+            if isinstance(metadata, dict)
+            else None
         )
         if event_type == "payment_intent.succeeded" and "amount_received" in obj:
             # What was captured: after a partial capture less than `amount`,
@@ -112,12 +115,16 @@ class StripeGateway:
         elif event_type.startswith("payment_intent."):
             order_id, amount = require_str(obj, "id"), require_amount(obj, "amount")
         elif event_type == "charge.refunded":
-            order_id, amount = (
-                require_str(obj, "payment_intent"),
-                require_amount(obj, "amount_refunded"),
-            )
+            # A charge made with the Charges API has no PaymentIntent (null,
+            # or no key in API versions before PaymentIntents): its order
+            # is known by the charge's own id.
+            order_id = _payment_intent(obj) or require_str(obj, "id")
+            amount = require_amount(obj, "amount_refunded")
         else:
-            order_id, amount = require_str(obj, "payment_intent"), require_amount(obj, "amount")
+            # A dispute always names its charge, its PaymentIntent only when
+            # the charge had one.
+            order_id = _payment_intent(obj) or _object_id(obj, "charge")
+            amount = require_amount(obj, "amount")
         return Event(
             event_id=event_id,
             event_type=event_type,
@@ -138,6 +145,25 @@ class StripeGateway:
             return _business_digest(load_json_object(body))
         except (MalformedEvent, RecursionError):
             return raw_digest(body)
+
+
+def _payment_intent(obj: Mapping[str, Any]) -> str | None:
+    """The object's PaymentIntent id; None when it has none."""
+    if obj.get("payment_intent") is None:
+        return None
+    return _object_id(obj, "payment_intent")
+
+
+def _object_id(obj: Mapping[str, Any], key: str) -> str:
+    """The id `obj[key]` names: a string, or the id of an expanded object."""
+    value = obj.get(key)
+    if isinstance(value, dict):
+        found = require_str(value, "id")
+        assert found is not None
+        return found
+    found = require_str(obj, key)
+    assert found is not None
+    return found
 
 
 def _business_digest(data: dict[str, Any]) -> str:

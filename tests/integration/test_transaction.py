@@ -585,6 +585,50 @@ def test_a_stripe_payment_captured_in_part_does_not_pay_the_order(
     assert factory.count("payment_exceptions", kind="amount_mismatch") == 1
 
 
+def test_stripe_charges_without_a_payment_intent_reach_their_order_or_an_exception(
+    runtime: Runtime, factory: Factory
+) -> None:
+    """An order taken with the Charges API is known by its charge: its refund
+    and its dispute (no PaymentIntent) apply to it. A dispute of a charge no
+    order has is `unmapped_order` with the identifiers it carried; a
+    reference of Stripe's longest metadata value still finds its order."""
+    shop = factory.shop("stripe")
+    reference = "r" * 500
+    order_id = factory.order(shop, reference, "ch_legacy")
+
+    def apply(body: bytes) -> str:
+        job = envelope(shop, body, stripe_headers(shop.secret, body))
+        return handle(runtime, job.to_json()).outcome
+
+    # Paid as the Charges API pays (`charge.succeeded`, which payhook does not map).
+    factory.conn.execute(
+        "UPDATE payhook.payment_orders SET state = 'paid' WHERE id = %s", (order_id,)
+    )
+    refund = stripe_body(
+        "charge.refunded", payment_intent=None, charge="ch_legacy", order_ref=reference, amount=700
+    )
+    assert apply(refund) == "applied"
+    assert factory.order_totals(order_id) == {"state": "partially_refunded", "refunded_minor": 700}
+    dispute = stripe_body(
+        "charge.dispute.created", payment_intent=None, charge="ch_legacy", order_ref=None
+    )
+    assert apply(dispute) == "applied"
+    assert factory.order_state(shop, order_id) == "disputed"
+
+    stranger = stripe_body(
+        "charge.dispute.created",
+        event_id="evt_x",
+        payment_intent=None,
+        charge="ch_other",
+        order_ref=None,
+    )
+    assert apply(stranger) == "unmapped_order"
+    row = factory.conn.execute(
+        "SELECT detail FROM payhook.payment_exceptions WHERE event_id = 'evt_x'"
+    ).fetchone()
+    assert row == {"detail": {"gateway_order_id": "ch_other", "merchant_reference": None}}
+
+
 def test_each_refund_notification_carries_that_refund_whatever_the_gateway_reports(
     runtime: Runtime, factory: Factory
 ) -> None:

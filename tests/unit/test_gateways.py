@@ -20,10 +20,12 @@ from payhook.errors import (
 from payhook.gateways import generate_secret, get_gateway
 from payhook.gateways.base import MAX_SIGNATURE_HEADER
 from payhook.gateways.standard import StandardGateway
+from payhook.gateways.storable import storable_event
 from payhook.gateways.stripe import StripeGateway
 from tests.factories import StandardEvent, stripe_body
 
 NOW = time.time()
+NOW_DT = datetime.fromtimestamp(NOW, UTC)
 
 
 @pytest.fixture(autouse=True)
@@ -393,6 +395,52 @@ class TestStripe:
         legacy = json.loads(stripe_body(amount=1999, received=1000))
         del legacy["data"]["object"]["amount_received"]
         assert self.gateway.parse({}, json.dumps(legacy).encode()).amount_minor == 1999
+
+    @pytest.mark.parametrize("shape", ["null", "absent"])
+    def test_a_refund_of_a_charge_without_a_payment_intent_maps_by_the_charge(
+        self, shape: str
+    ) -> None:
+        """Charges API, or an API version from before PaymentIntents."""
+        event = json.loads(stripe_body("charge.refunded", payment_intent=None, charge="ch_9"))
+        if shape == "absent":
+            del event["data"]["object"]["payment_intent"]
+        parsed = self.gateway.parse({}, json.dumps(event).encode())
+        assert (parsed.kind, parsed.gateway_order_id, parsed.merchant_reference) == (
+            "refunded",
+            "ch_9",
+            "order-1",
+        )
+
+    def test_a_dispute_without_a_payment_intent_maps_by_its_charge_and_reference(self) -> None:
+        body = stripe_body("charge.dispute.created", payment_intent=None, charge="ch_9")
+        parsed = self.gateway.parse({}, body)
+        assert (parsed.kind, parsed.gateway_order_id, parsed.merchant_reference) == (
+            "disputed",
+            "ch_9",
+            "order-1",
+        )
+        expanded = json.loads(body)
+        expanded["data"]["object"]["charge"] = {"id": "ch_8", "object": "charge"}
+        assert self.gateway.parse({}, json.dumps(expanded).encode()).gateway_order_id == "ch_8"
+
+    def test_a_dispute_with_a_payment_intent_maps_by_it(self) -> None:
+        parsed = self.gateway.parse({}, stripe_body("charge.dispute.created", charge="ch_9"))
+        assert parsed.gateway_order_id == "pi_1"
+
+    def test_an_order_reference_is_read_up_to_stripes_own_limit(self) -> None:
+        """Stripe's metadata values hold up to 500 characters."""
+        longest = "r" * 500
+        parsed = self.gateway.parse({}, stripe_body(order_ref=longest))
+        assert parsed.merchant_reference == longest
+        assert storable_event(parsed, NOW_DT).merchant_reference == longest
+        with pytest.raises(MalformedEvent, match="order_id: longer than 500 characters"):
+            self.gateway.parse({}, stripe_body(order_ref=longest + "r"))
+
+    def test_a_dispute_naming_neither_payment_intent_nor_charge_is_malformed(self) -> None:
+        event = json.loads(stripe_body("charge.dispute.created", payment_intent=None))
+        del event["data"]["object"]["charge"]
+        with pytest.raises(MalformedEvent, match=r"^charge: expected a non-empty string"):
+            self.gateway.parse({}, json.dumps(event).encode())
 
 
 def test_unknown_gateway_is_a_clear_error() -> None:

@@ -69,7 +69,8 @@ def test_no_two_ids_share_a_stored_one() -> None:
         ("event_id", "evt_\x00", "contains NUL"),
         ("event_type", "payment_intent.\ud800", "contains a lone surrogate"),
         ("gateway_order_id", "pi_\x00", "contains NUL"),
-        ("merchant_reference", "r" * 256, "longer than 255 characters"),
+        ("merchant_reference", "r" * 501, "longer than 500 characters"),
+        ("gateway_order_id", "p" * 256, "longer than 255 characters"),
         ("currency", "EU\ud800", "contains a lone surrogate"),
     ],
 )
