@@ -8,7 +8,7 @@ One job, in one direction:
       -> PayhookJob.func           RQ runs the job: `Applier.finish`
       -> Applier.finish            collects the outcome begun
            consumer.handler.handle        verify, read, then one call of
-           consumer.transaction           payhook.apply_event_v1 on the server
+           consumer.transaction           payhook.apply_event_v2 on the server
            consumer.replay.replay_parked  events that waited for this one
 
 The transaction's commit waits on PostgreSQL while RQ's writes recording the

@@ -2,7 +2,7 @@
 
 Both ways an event is applied are SQL functions that share the rules,
 `payhook.decide_v1`, and the writes, `payhook.write_transition_v1`: a
-delivery runs `payhook.apply_event_v1` (`consumer.transaction`), a replay
+delivery runs `payhook.apply_event_v2` (`consumer.transaction`), a replay
 `payhook.replay_exception_v1` (`sql/migrations/0010_*.sql`), one statement
 that locks the exception, then the event's receipt, then its order FOR
 UPDATE (the consumer's lock order, receipt then order, behind a lock no

@@ -2,7 +2,7 @@
 
 The rules live in one place, the SQL function `payhook.decide_v1`
 (`sql/migrations/0009_*.sql`), and both ways an event is applied run them on
-the server once they have locked the order: `payhook.apply_event_v1` for a
+the server once they have locked the order: `payhook.apply_event_v2` for a
 delivery, `payhook.replay_exception_v1` for a replay. `decide` asks them
 from Python, for tests of each rule on its own.
 """

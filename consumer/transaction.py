@@ -9,7 +9,7 @@
     6 the outbox row
     7 mark the receipt processed with its outcome; commit
 
-The steps run on the server, in the function `payhook.apply_event_v1` and
+The steps run on the server, in the function `payhook.apply_event_v2` and
 its rules in `payhook.decide_v1` (`sql/migrations/0009_*.sql`): a job sends
 one statement, which is its own transaction on the consumer's autocommit
 connection, in one round trip, and the order's lock is never held across a
@@ -160,7 +160,7 @@ def apply_event(
     }
     with cancelled_if_interrupted(conn):
         row = conn.execute(query("apply_event"), params).fetchone()
-    assert row is not None, "apply_event_v1 returns one row"
+    assert row is not None, "apply_event_v2 returns one row"
     order_id = row["order_id"]
     return Applied(
         row["outcome"],

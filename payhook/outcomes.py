@@ -2,7 +2,7 @@
 
 Python takes its lists from here. The database keeps copies it cannot take
 from Python: the CHECK constraints that migrations wrote, and the rules in
-`payhook.decide_v1` and `payhook.apply_event_v1` (which outcomes record an
+`payhook.decide_v1` and `payhook.apply_event_v2` (which outcomes record an
 exception). `check_outcomes` compares the constraints with these lists when
 a process starts, so that a schema and a release that disagree stop at once
 rather than at the first event one of them refuses.

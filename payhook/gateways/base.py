@@ -52,6 +52,11 @@ class Event:
     #: For refunds: True when amount_minor is the total refunded so far
     #: (Stripe's `amount_refunded`), False when it is this refund alone.
     cumulative: bool = False
+    #: sha256 of what the event means (type, identifiers, amount, currency,
+    #: status), however the gateway rendered it: a repeat of the identity is
+    #: a conflict when this differs. None for a body payhook cannot read,
+    #: compared by `digest` instead.
+    meaning: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         # Field by field: `asdict` deep-copies every value, a tenth of a
@@ -112,6 +117,22 @@ class Gateway(Protocol):
     def unreadable_digest(self, body: bytes) -> str:
         """The digest of an authentic body `parse` refused, stable across the
         gateway's redeliveries of it, so that one is a duplicate, not a conflict."""
+
+
+def meaning_digest(event: Event, status: object = None) -> str:
+    """The digest of what `event` means: its type, identifiers, amount and
+    currency, and the status its gateway gives the object, if any."""
+    return canonical_digest(
+        {
+            "event_type": event.event_type,
+            "kind": event.kind,
+            "gateway_order_id": event.gateway_order_id,
+            "merchant_reference": event.merchant_reference,
+            "amount_minor": event.amount_minor,
+            "currency": event.currency,
+            "status": status if isinstance(status, str) else None,
+        }
+    )
 
 
 def canonical_digest(content: Any) -> str:

@@ -99,7 +99,19 @@ class StandardGateway:
         occurred_at = _parse_time(data.get("timestamp"))
         payment = data.get("data")
         if kind is None:
-            return Event(event_id, event_type, None, occurred_at, None, None, None, None, digest)
+            # One rendering only: what it means is all of it.
+            return Event(
+                event_id,
+                event_type,
+                None,
+                occurred_at,
+                None,
+                None,
+                None,
+                None,
+                digest,
+                meaning=digest,
+            )
         if occurred_at is None:
             # The horizon guard judges an event by this time: without it, an
             # event of any age would pass.
@@ -118,6 +130,7 @@ class StandardGateway:
             amount_minor=require_amount(payment, "amount"),
             currency=require_currency(payment, "currency"),
             digest=digest,
+            meaning=digest,
         )
 
     def unreadable_digest(self, body: bytes) -> str:

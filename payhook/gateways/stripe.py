@@ -9,6 +9,7 @@ digest leaves them out.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import hashlib
 import hmac
 import secrets as random
@@ -25,6 +26,7 @@ from payhook.gateways.base import (
     canonical_digest,
     check_tolerance,
     load_json_object,
+    meaning_digest,
     raw_digest,
     require_amount,
     require_currency,
@@ -93,7 +95,28 @@ class StripeGateway:
         )
         kind = TYPES.get(event_type)
         if kind is None:
-            return Event(event_id, event_type, None, occurred_at, None, None, None, None, digest)
+            # An event payhook does not act on means its type and its object.
+            container = data.get("data")
+            obj = container.get("object") if isinstance(container, dict) else None
+            object_id = obj.get("id") if isinstance(obj, dict) else None
+            meaning = canonical_digest(
+                {
+                    "event_type": event_type,
+                    "object": object_id if isinstance(object_id, str) else None,
+                }
+            )
+            return Event(
+                event_id,
+                event_type,
+                None,
+                occurred_at,
+                None,
+                None,
+                None,
+                None,
+                digest,
+                meaning=meaning,
+            )
         if occurred_at is None:
             # The horizon guard judges an event by this time: without it, an
             # event of any age would pass.
@@ -125,7 +148,7 @@ class StripeGateway:
             # the charge had one.
             order_id = _payment_intent(obj) or _object_id(obj, "charge")
             amount = require_amount(obj, "amount")
-        return Event(
+        event = Event(
             event_id=event_id,
             event_type=event_type,
             kind=kind,
@@ -137,6 +160,9 @@ class StripeGateway:
             digest=digest,
             cumulative=event_type == "charge.refunded",
         )
+        # The same event sent to endpoints pinned to other API versions is
+        # rendered otherwise; what it means is the same.
+        return dataclasses.replace(event, meaning=meaning_digest(event, obj.get("status")))
 
     def unreadable_digest(self, body: bytes) -> str:
         """A JSON object's business content, as `parse` digests it: Stripe

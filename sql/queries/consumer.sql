@@ -7,11 +7,11 @@ SELECT tenant_id, id, gateway, secrets, retired_secrets
 
 -- apply_event --
 -- Steps 1 to 7 of the consumer's transaction, in one statement: on an
--- autocommit connection, its own transaction (sql/migrations/0009), under
+-- autocommit connection, its own transaction (sql/migrations/0009, 0012), under
 -- the event's tenant (set first: the function takes it from set_tenant).
 SELECT e.outcome, e.order_id, e.exception_id, e.parked
   FROM payhook.set_tenant(%(tenant_id)s::uuid) AS t (tenant_id),
-       LATERAL payhook.apply_event_v1(t.tenant_id, %(endpoint_id)s, %(gateway)s,
+       LATERAL payhook.apply_event_v2(t.tenant_id, %(endpoint_id)s, %(gateway)s,
                                       %(delivery_id)s, %(event)s, %(forced_outcome)s,
                                       %(forced_detail)s) AS e
 
@@ -27,7 +27,7 @@ SELECT r.tenant_id, r.event_id, r.outcome, r.resolved, r.changed, r.order_id, r.
 
 -- decide --
 -- The rules: what an event (Event.to_json()) does to the orders it mapped
--- to, a JSON array of payment_orders rows, as apply_event_v1 locks them.
+-- to, a JSON array of payment_orders rows, as apply_event_v2 locks them.
 SELECT outcome, to_state, refunded_minor, detail, action
   FROM payhook.decide_v1(%(event)s, %(orders)s)
 

@@ -88,6 +88,7 @@ def test_receipts_past_the_horizon_move_to_a_compact_archive_in_batches(
     for row in rows:
         live = before[row["event_id"]]
         assert bytes(row["payload_sha256"]).hex() == live["payload_sha256"]
+        assert bytes(row["meaning_sha256"]).hex() == live["meaning_sha256"]
         assert (row["outcome"], row["received_at"], row["processed_at"], row["occurred_at"]) == (
             live["outcome"],
             live["received_at"],
@@ -98,6 +99,7 @@ def test_receipts_past_the_horizon_move_to_a_compact_archive_in_batches(
             "tenant_id",
             "event_id",
             "payload_sha256",
+            "meaning_sha256",
             "outcome",
             "occurred_at",
             "received_at",

@@ -257,6 +257,89 @@ def test_stripe_redelivery_differing_in_pending_webhooks_is_a_plain_duplicate(
     assert factory.order_state(shop, order_id) == "paid"
 
 
+def rendered_for_another_api_version(body: bytes) -> bytes:
+    """The same Stripe event as an endpoint pinned to another API version
+    receives it: other fields beside the same identifiers, amounts and status."""
+    event = json.loads(body)
+    event["api_version"] = "2020-08-27"
+    obj = event["data"]["object"]
+    obj["charges"] = {"object": "list", "data": [{"id": "ch_1"}]}
+    obj["review"] = None
+    return json.dumps(event).encode()
+
+
+def test_a_stripe_event_rendered_for_two_api_versions_is_a_duplicate_not_a_conflict(
+    runtime: Runtime, factory: Factory
+) -> None:
+    """Same id, same meaning, other JSON: a duplicate. Same id and another
+    amount: a conflict, whatever the rendering."""
+    shop = factory.shop("stripe")
+    order_id = factory.order(shop)
+
+    def apply(body: bytes) -> str:
+        job = envelope(shop, body, stripe_headers(shop.secret, body))
+        return handle(runtime, job.to_json()).outcome
+
+    first = stripe_body(event_id="evt_v", amount=1999)
+    other = rendered_for_another_api_version(first)
+    assert apply(first) == "applied"
+    assert apply(other) == "duplicate"
+    assert factory.count("security_anomalies") == 0
+    assert factory.order_state(shop, order_id) == "paid"
+    receipt = factory.conn.execute(
+        "SELECT payload_sha256, meaning_sha256 FROM payhook.payment_event_receipts"
+        " WHERE event_id = 'evt_v'"
+    ).fetchone()
+    assert receipt is not None and receipt["payload_sha256"] != receipt["meaning_sha256"]
+
+    changed = json.loads(other)
+    changed["data"]["object"]["amount"] = 1
+    changed["data"]["object"]["amount_received"] = 1
+    assert apply(json.dumps(changed).encode()) == "digest_conflict"
+    assert factory.count("security_anomalies", kind="digest_conflict") == 1
+
+
+def test_a_receipt_from_before_meanings_is_compared_by_its_payload_digest(
+    runtime: Runtime, factory: Factory
+) -> None:
+    """A receipt written by the release before keeps no meaning: its repeats
+    are compared as they were, by the payload digest."""
+    shop = factory.shop("stripe")
+    factory.order(shop)
+
+    def apply(body: bytes) -> str:
+        job = envelope(shop, body, stripe_headers(shop.secret, body))
+        return handle(runtime, job.to_json()).outcome
+
+    first = stripe_body(event_id="evt_old", pending_webhooks=2)
+    assert apply(first) == "applied"
+    factory.conn.execute("UPDATE payhook.payment_event_receipts SET meaning_sha256 = NULL")
+    assert apply(stripe_body(event_id="evt_old", pending_webhooks=1)) == "duplicate"
+    assert factory.count("security_anomalies") == 0
+    assert apply(rendered_for_another_api_version(first)) == "digest_conflict"
+
+
+def test_an_archived_receipt_keeps_its_meaning_for_late_repeats(
+    runtime: Runtime, factory: Factory
+) -> None:
+    shop = factory.shop("stripe")
+    factory.order(shop)
+
+    def apply(body: bytes) -> str:
+        job = envelope(shop, body, stripe_headers(shop.secret, body))
+        return handle(runtime, job.to_json()).outcome
+
+    first = stripe_body(event_id="evt_arch")
+    assert apply(first) == "applied"
+    moved = factory.conn.execute(
+        "SELECT moved FROM payhook.retention_archive_receipts_v1(now() + interval '1 day', 10)"
+    ).fetchone()
+    assert moved == {"moved": 1}
+    assert apply(rendered_for_another_api_version(first)) == "duplicate"
+    assert factory.count("security_anomalies") == 0
+    assert factory.count("payment_event_receipts") == 0, "the archived identity stays archived"
+
+
 def test_two_gateway_payments_for_one_order_fulfil_once_and_raise_one_exception(
     runtime: Runtime, factory: Factory
 ) -> None:
@@ -287,7 +370,7 @@ QUIET_OUTCOMES = {"already_applied", "superseded", "ignored"}
 def test_the_outcomes_that_raise_exceptions_are_the_same_in_sql_and_python(
     runtime: Runtime, factory: Factory
 ) -> None:
-    """`apply_event_v1` decides on the server which outcomes record an
+    """`apply_event_v2` decides on the server which outcomes record an
     exception; `consumer.rules.EXCEPTION_OUTCOMES` says it for replays and
     the operations commands. Every outcome the receipts' check allows is
     recorded once here, and raises an exception exactly when Python says so."""

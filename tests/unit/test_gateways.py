@@ -396,6 +396,28 @@ class TestStripe:
         del legacy["data"]["object"]["amount_received"]
         assert self.gateway.parse({}, json.dumps(legacy).encode()).amount_minor == 1999
 
+    def test_what_an_event_means_does_not_change_with_its_rendering(self) -> None:
+        """Another API version renders other fields; the meaning is the type,
+        identifiers, amount, currency and status."""
+        first = json.loads(stripe_body(event_id="evt_m"))
+        other = json.loads(json.dumps(first))
+        other["api_version"] = "2020-08-27"
+        other["data"]["object"] |= {"charges": {"object": "list", "data": []}, "review": None}
+        parse = self.gateway.parse
+        a, b = (parse({}, json.dumps(e).encode()) for e in (first, other))
+        assert a.digest != b.digest
+        assert a.meaning == b.meaning is not None
+        for field, value in (("amount_received", 1), ("currency", "usd"), ("status", "canceled")):
+            changed = json.loads(json.dumps(first))
+            changed["data"]["object"][field] = value
+            assert parse({}, json.dumps(changed).encode()).meaning != a.meaning, field
+        ignored = first | {"type": "customer.updated"}
+        ignored_other = other | {"type": "customer.updated"}
+        assert (
+            parse({}, json.dumps(ignored).encode()).meaning
+            == parse({}, json.dumps(ignored_other).encode()).meaning
+        )
+
     @pytest.mark.parametrize("shape", ["null", "absent"])
     def test_a_refund_of_a_charge_without_a_payment_intent_maps_by_the_charge(
         self, shape: str
