@@ -66,6 +66,30 @@ class Event:
         return data
 
     @classmethod
+    def ignored(
+        cls,
+        event_id: str,
+        event_type: str,
+        occurred_at: datetime | None,
+        digest: str,
+        *,
+        meaning: str,
+    ) -> Event:
+        """An event of a type payhook does not act on: recorded, nothing more."""
+        return cls(
+            event_id=event_id,
+            event_type=event_type,
+            kind=None,
+            occurred_at=occurred_at,
+            gateway_order_id=None,
+            merchant_reference=None,
+            amount_minor=None,
+            currency=None,
+            digest=digest,
+            meaning=meaning,
+        )
+
+    @classmethod
     def unreadable(cls, event_id: str, event_type: str, digest: str) -> Event:
         """An authentic body payhook cannot read: an event that can only be recorded."""
         return cls(

@@ -100,18 +100,7 @@ class StandardGateway:
         payment = data.get("data")
         if kind is None:
             # One rendering only: what it means is all of it.
-            return Event(
-                event_id,
-                event_type,
-                None,
-                occurred_at,
-                None,
-                None,
-                None,
-                None,
-                digest,
-                meaning=digest,
-            )
+            return Event.ignored(event_id, event_type, occurred_at, digest, meaning=digest)
         if occurred_at is None:
             # The horizon guard judges an event by this time: without it, an
             # event of any age would pass.

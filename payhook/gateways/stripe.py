@@ -105,18 +105,7 @@ class StripeGateway:
                     "object": object_id if isinstance(object_id, str) else None,
                 }
             )
-            return Event(
-                event_id,
-                event_type,
-                None,
-                occurred_at,
-                None,
-                None,
-                None,
-                None,
-                digest,
-                meaning=meaning,
-            )
+            return Event.ignored(event_id, event_type, occurred_at, digest, meaning=meaning)
         if occurred_at is None:
             # The horizon guard judges an event by this time: without it, an
             # event of any age would pass.
