@@ -8,12 +8,14 @@ number, flushed before and after. A missing service fails the test loudly.
 from __future__ import annotations
 
 import os
+import sys
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import psycopg
 import pytest
+import structlog
 from psycopg import sql
 from redis import Redis
 
@@ -60,6 +62,30 @@ def test_settings(database: str, **extra: str) -> Settings:
 
 
 test_settings.__test__ = False  # type: ignore[attr-defined]
+
+
+#: Packages whose module-level loggers a test may leave bound to its own stream.
+OUR_PACKAGES = ("payhook", "control", "consumer", "ingress", "outbox_worker")
+
+
+@pytest.fixture(autouse=True)
+def _logging_from_its_defaults() -> Iterator[None]:
+    """A test that runs a process's wiring in-process (an app factory, a
+    command's `run`) configures structlog to write to the stream pytest
+    captured for it, and the module-level loggers it used keep that stream
+    (`cache_logger_on_first_use`), even once the test put structlog's
+    defaults back. After every test, structlog is at its defaults and those
+    loggers forget what they cached, so a later test on the same worker does
+    not log into a closed stream."""
+    yield
+    if structlog.is_configured():
+        structlog.reset_defaults()
+    for name, module in list(sys.modules.items()):
+        if name.split(".")[0] not in OUR_PACKAGES:
+            continue
+        for value in list(vars(module).values()):
+            if type(value).__name__ == "BoundLoggerLazyProxy":
+                vars(value).pop("bind", None)
 
 
 @pytest.fixture(scope="session")
