@@ -6,10 +6,14 @@ import time
 from datetime import datetime
 
 import psycopg
+import structlog
 
 from payhook.db import Row, fetch_one
 from payhook.endpoints import Endpoint, open_secret, open_secrets
+from payhook.gateways import GATEWAYS
 from payhook.sealing import Keyring
+
+log = structlog.get_logger(__name__)
 
 #: Seconds an endpoint's secrets are trusted before they are read again.
 ENDPOINT_TTL = 5.0
@@ -34,6 +38,10 @@ class EndpointCache:
         if hit is not None and not fresh and time.monotonic() - hit[1] < self.ttl:
             return hit[0], False
         row = fetch_one(conn, "get_endpoint", {"endpoint_id": endpoint_id})
+        if row is not None and row["gateway"] not in GATEWAYS:
+            # Written by a later release, or by hand: unknown to this one.
+            log.warning("endpoint_gateway_unknown", endpoint_id=endpoint_id)
+            row = None
         if row is None:
             self._entries.pop(endpoint_id, None)
             return None, True

@@ -17,6 +17,7 @@ import psycopg
 from redis.exceptions import RedisError
 
 from payhook.errors import PayhookError
+from payhook.gateways import GATEWAYS
 from payhook.logs import configure_logging
 from payhook.outcomes import ANOMALY_KINDS, EXCEPTION_KINDS
 from payhook.settings import Settings
@@ -296,7 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p = add("add", cmd_endpoints_add, "create an endpoint; prints JSON", endpoints)
     p.add_argument("--tenant", required=True)
-    p.add_argument("--gateway", required=True, choices=["standard", "stripe"])
+    p.add_argument("--gateway", required=True, choices=sorted(GATEWAYS))
     p.add_argument("--secret", help="the signing secret (generated when omitted)")
     p = add("rotate", cmd_endpoints_rotate, "add a new secret; old ones still verify", endpoints)
     p.add_argument("endpoint")

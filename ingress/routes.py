@@ -23,7 +23,7 @@ from ingress.enqueue import EnqueueFailed
 from ingress.ids import delivery_id
 from payhook.envelope import Envelope
 from payhook.errors import MalformedHeaders, SignatureError
-from payhook.gateways import get_gateway, standard, stripe
+from payhook.gateways import Gateway, get_gateway
 from payhook.gateways.storable import storable_event_id
 
 if TYPE_CHECKING:
@@ -31,8 +31,6 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger(__name__)
 
-#: Seconds a signed timestamp may differ from our clock, per gateway.
-TOLERANCES = {"standard": standard.TOLERANCE, "stripe": stripe.TOLERANCE}
 #: Why a signature check failed, for logs and metrics only: never in a response.
 REASONS = {
     "MalformedHeaders": "malformed_headers",
@@ -146,7 +144,7 @@ async def _receive(
             body,
             endpoint.secrets,
             now=time.time(),
-            tolerance=TOLERANCES[gateway.name],
+            tolerance=gateway.tolerance,
         )
     except SignatureError as exc:
         reason = REASONS.get(exc.__class__.__name__, "signature_invalid")
@@ -158,7 +156,7 @@ async def _receive(
 
     # Authentic from here on. A body payhook cannot read is queued all the
     # same: the consumer records it. Only the signature headers travel.
-    line["event_id"] = read_event_id(gateway.name, headers, body)
+    line["event_id"] = read_event_id(gateway, headers, body)
     envelope = Envelope(
         endpoint_id=endpoint.id,
         body=body,
@@ -202,18 +200,11 @@ def _signature_headers(scope: Scope, names: tuple[str, ...]) -> dict[str, str]:
     return headers
 
 
-def read_event_id(gateway: str, headers: dict[str, str], body: bytes) -> str | None:
+def read_event_id(gateway: Gateway, headers: dict[str, str], body: bytes) -> str | None:
     """The event id of an authentic request, for the log line, as the consumer
     stores it (bounded, no NUL or lone surrogate); None if unreadable."""
-    if gateway == "standard":
-        value = headers.get("webhook-id")
-    else:
-        try:
-            data = json.loads(body)
-        except (ValueError, RecursionError):
-            return None
-        value = data.get("id") if isinstance(data, dict) else None
-    return storable_event_id(value) if isinstance(value, str) and value else None
+    value = gateway.read_event_id(headers, body)
+    return None if value is None else storable_event_id(value)
 
 
 async def healthz(request: Request) -> Response:

@@ -15,13 +15,17 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
+from payhook.gateways import GATEWAYS
+
 DAY = 86400.0
 
-#: Seconds after an event during which each gateway may still deliver it.
-#: Stripe retries for 3 days and lets anyone list and resend an event for 30
-#: days; Standard Webhooks senders retry for about a day (the reference
-#: schedule ends after 27.5 hours) and we allow them 3.
-REDELIVERY_WINDOWS = {"stripe": 30 * DAY, "standard": 3 * DAY}
+
+def redelivery_windows() -> dict[str, float]:
+    """Seconds after an event during which each gateway may still deliver it,
+    as each gateway's module says."""
+    return {name: gateway.redelivery_window for name, gateway in GATEWAYS.items()}
+
+
 #: Seconds added to the longest window: clock skew, a late manual resend, an
 #: outage of ours that held events back.
 REDELIVERY_MARGIN = 7 * DAY
@@ -31,8 +35,9 @@ DEFAULT_RECEIPT_RETENTION = 400 * DAY
 
 def minimum_receipt_retention() -> tuple[float, str]:
     """The shortest acceptable receipt retention in seconds, and the gateway that sets it."""
-    gateway = max(REDELIVERY_WINDOWS, key=REDELIVERY_WINDOWS.__getitem__)
-    return REDELIVERY_WINDOWS[gateway] + REDELIVERY_MARGIN, gateway
+    windows = redelivery_windows()
+    gateway = max(windows, key=windows.__getitem__)
+    return windows[gateway] + REDELIVERY_MARGIN, gateway
 
 
 def receipt_horizon(retention: float, now: datetime | None = None) -> datetime:

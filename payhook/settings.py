@@ -17,9 +17,9 @@ from payhook.horizon import (
     DAY,
     DEFAULT_RECEIPT_RETENTION,
     REDELIVERY_MARGIN,
-    REDELIVERY_WINDOWS,
     describe,
     minimum_receipt_retention,
+    redelivery_windows,
 )
 
 DEFAULT_DATABASE_URL = "postgresql://postgres@127.0.0.1:5432/payhook"
@@ -222,7 +222,7 @@ def _check_receipt_retention(seconds: float) -> None:
     if seconds < minimum:
         raise SettingsError(
             f"PAYHOOK_RECEIPT_RETENTION: {describe(seconds)} is shorter than the longest "
-            f"gateway redelivery window ({gateway}, {describe(REDELIVERY_WINDOWS[gateway])}) "
+            f"gateway redelivery window ({gateway}, {describe(redelivery_windows()[gateway])}) "
             f"plus a {describe(REDELIVERY_MARGIN)} margin; use at least {describe(minimum)}"
         )
 

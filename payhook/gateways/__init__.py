@@ -5,9 +5,9 @@ from __future__ import annotations
 from payhook.gateways import standard, stripe
 from payhook.gateways.base import KINDS, Event, Gateway
 
+#: Every gateway payhook speaks, by the name endpoints are created with.
 GATEWAYS: dict[str, Gateway] = {
-    "standard": standard.StandardGateway(),
-    "stripe": stripe.StripeGateway(),
+    gateway.name: gateway for gateway in (standard.StandardGateway(), stripe.StripeGateway())
 }
 
 
@@ -20,8 +20,7 @@ def get_gateway(name: str) -> Gateway:
 
 def generate_secret(gateway: str) -> str:
     """A fresh endpoint secret in the gateway's format."""
-    get_gateway(gateway)
-    return standard.generate_secret() if gateway == "standard" else stripe.generate_secret()
+    return get_gateway(gateway).generate_secret()
 
 
 __all__ = ["GATEWAYS", "KINDS", "Event", "Gateway", "generate_secret", "get_gateway"]

@@ -113,11 +113,30 @@ class Event:
 
 
 class Gateway(Protocol):
-    """Verify a raw request against an endpoint's secrets; read its event."""
+    """Verify a raw request against an endpoint's secrets; read its event.
+
+    Everything payhook knows of a gateway is here, in its one module: adding
+    a gateway is adding a module and naming it in `payhook.gateways.GATEWAYS`.
+    """
 
     name: str
     #: Lower-case names of the headers that carry the signature.
     signature_headers: tuple[str, ...]
+    #: Seconds a signed timestamp may differ from payhook's clock, either way.
+    tolerance: float
+    #: Seconds after an event during which the gateway may still deliver it
+    #: (`payhook.horizon`: receipts are kept longer than the longest).
+    redelivery_window: float
+
+    def generate_secret(self) -> str:
+        """A fresh endpoint secret in the gateway's format."""
+
+    def check_secret(self, secret: str) -> None:
+        """`ValueError`, saying why, unless the gateway can sign with `secret`."""
+
+    def read_event_id(self, headers: Mapping[str, str], body: bytes) -> str | None:
+        """The event id of an authentic request as the gateway sent it, for
+        the ingress's log line, without parsing more; None if unreadable."""
 
     def verify(
         self,

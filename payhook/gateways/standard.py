@@ -33,6 +33,8 @@ from payhook.gateways.base import (
 
 #: Seconds a signed timestamp may differ from our clock.
 TOLERANCE = 300
+#: Seconds in a day.
+DAY = 86400.0
 SECRET_PREFIX = "whsec_"
 TYPES = {
     "payment.succeeded": "succeeded",
@@ -72,6 +74,19 @@ def sign(secret: str, event_id: str, timestamp: int, body: bytes) -> str:
 class StandardGateway:
     name = "standard"
     signature_headers: tuple[str, ...] = ("webhook-id", "webhook-timestamp", "webhook-signature")
+    tolerance: float = TOLERANCE
+    #: Senders retry for about a day (the reference schedule ends after 27.5
+    #: hours); payhook allows them 3.
+    redelivery_window: float = 3 * DAY
+
+    def generate_secret(self) -> str:
+        return generate_secret()
+
+    def check_secret(self, secret: str) -> None:
+        secret_key(secret)
+
+    def read_event_id(self, headers: Mapping[str, str], body: bytes) -> str | None:
+        return headers.get("webhook-id") or None
 
     def verify(
         self,

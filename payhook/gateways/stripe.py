@@ -12,6 +12,7 @@ import base64
 import dataclasses
 import hashlib
 import hmac
+import json
 import secrets as random
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
@@ -35,6 +36,8 @@ from payhook.gateways.base import (
 
 #: Seconds a signed timestamp may differ from our clock (Stripe's default).
 TOLERANCE = 300
+#: Characters after `whsec_` a Stripe secret has at least (Stripe's have 32).
+MIN_SECRET = 16
 #: Top-level fields Stripe changes from one delivery of an event to the next.
 DELIVERY_FIELDS = frozenset({"pending_webhooks", "request"})
 TYPES = {
@@ -58,6 +61,34 @@ def sign(secret: str, timestamp: int, body: bytes) -> str:
 class StripeGateway:
     name = "stripe"
     signature_headers: tuple[str, ...] = ("stripe-signature",)
+    tolerance: float = TOLERANCE
+    #: Stripe retries for 3 days and lets anyone list and resend an event for 30.
+    redelivery_window: float = 30 * 86400.0
+
+    def generate_secret(self) -> str:
+        return generate_secret()
+
+    def check_secret(self, secret: str) -> None:
+        """A Stripe secret, used as it is, is `whsec_` and at least
+        MIN_SECRET more characters, none of them blank: a short or mistyped
+        key is one anybody could guess."""
+        if (
+            not secret.startswith("whsec_")
+            or len(secret) < len("whsec_") + MIN_SECRET
+            or any(c.isspace() for c in secret)
+        ):
+            raise ValueError(
+                f"a Stripe signing secret is whsec_ and at least {MIN_SECRET} more "
+                "characters, without spaces (copy it from the endpoint's page at Stripe)"
+            )
+
+    def read_event_id(self, headers: Mapping[str, str], body: bytes) -> str | None:
+        try:
+            data = json.loads(body)
+        except (ValueError, RecursionError):
+            return None
+        value = data.get("id") if isinstance(data, dict) else None
+        return value if isinstance(value, str) and value else None
 
     def verify(
         self,

@@ -9,11 +9,11 @@ import pytest
 from payhook.errors import SettingsError
 from payhook.horizon import (
     REDELIVERY_MARGIN,
-    REDELIVERY_WINDOWS,
     beyond_horizon,
     describe,
     minimum_receipt_retention,
     receipt_horizon,
+    redelivery_windows,
 )
 from payhook.settings import Settings
 
@@ -29,7 +29,7 @@ def test_receipt_retention_defaults_to_400_days_and_other_retentions_have_their_
 def test_minimum_receipt_retention_is_the_longest_redelivery_window_plus_the_margin() -> None:
     minimum, gateway = minimum_receipt_retention()
     assert gateway == "stripe"
-    assert minimum == max(REDELIVERY_WINDOWS.values()) + REDELIVERY_MARGIN == 37 * 86400
+    assert minimum == max(redelivery_windows().values()) + REDELIVERY_MARGIN == 37 * 86400
 
 
 @pytest.mark.parametrize("value", ["3d", "30d", "36d", "100", "871h"])
