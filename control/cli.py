@@ -356,7 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("send", cmd_send, "sign and POST a test event, like a gateway would")
     p.add_argument("--url", required=True, help="the endpoint's full webhook URL")
-    p.add_argument("--gateway", default="standard", choices=["standard", "stripe"])
+    p.add_argument("--gateway", default="standard", choices=sorted(GATEWAYS))
     p.add_argument("--secret", required=True)
     p.add_argument(
         "--type",

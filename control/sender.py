@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import json
 import time
-import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -22,15 +20,12 @@ from typing import Any
 import httpx
 
 from payhook.errors import PayhookError
-from payhook.gateways import standard, stripe
+from payhook.gateways import get_gateway
+from payhook.gateways.base import Sample
 from payhook.settings import Settings
 
 #: Seconds one request may take, connecting included.
 REQUEST_TIMEOUT = 10.0
-#: The event type sent when `--type` is not given, per gateway.
-DEFAULT_TYPES = {"standard": "payment.succeeded", "stripe": "payment_intent.succeeded"}
-#: Stripe's API version stamped on the events it sends.
-STRIPE_API_VERSION = "2024-06-20"
 
 
 @dataclass(frozen=True)
@@ -59,30 +54,31 @@ class SignedRequest:
 
 
 def sign_event(event: Event, secret: str, timestamp: int | None = None) -> SignedRequest:
-    """The body and headers a gateway would send for `event`, signed with `secret`."""
+    """The body and headers a gateway would send for `event`, signed with
+    `secret`: the gateway's module builds them (`Gateway.sample_request`)."""
+    try:
+        gateway = get_gateway(event.gateway)
+    except ValueError as exc:
+        raise PayhookError(f"--gateway: {exc}") from None
     timestamp = int(time.time()) if timestamp is None else timestamp
     occurred = _occurred_at(event, timestamp)
-    if event.gateway == "standard":
-        event_id = event.event_id or f"msg_{uuid.uuid4().hex}"
-        body = standard_body(event, occurred)
-        try:
-            signature = standard.sign(secret, event_id, timestamp, body)
-        except ValueError as exc:
-            raise PayhookError(f"--secret: {exc}") from None
-        headers = {
-            "webhook-id": event_id,
-            "webhook-timestamp": str(timestamp),
-            "webhook-signature": signature,
-        }
-    elif event.gateway == "stripe":
-        event_id = event.event_id or f"evt_{uuid.uuid4().hex[:24]}"
-        body = stripe_body(event, event_id, occurred)
-        headers = {"stripe-signature": stripe.sign(secret, timestamp, body)}
-    else:
-        raise PayhookError(f"--gateway: expected standard or stripe, got {event.gateway!r}")
+    sample = Sample(
+        event_id=event.event_id or gateway.new_event_id(),
+        event_type=event.event_type,
+        gateway_order_id=event.gateway_order_id,
+        amount=event.amount,
+        currency=event.currency,
+        merchant_reference=event.merchant_reference,
+        occurred_at=occurred,
+        repeated=event.event_id is not None,
+    )
+    try:
+        body, headers = gateway.sample_request(sample, secret, timestamp)
+    except ValueError as exc:
+        raise PayhookError(f"--secret: {exc}") from None
     headers["content-type"] = "application/json"
     headers["user-agent"] = "payhook-send"
-    return SignedRequest(event_id, body, headers, occurred)
+    return SignedRequest(sample.event_id, body, headers, occurred)
 
 
 def _iso(seconds: int) -> str:
@@ -98,85 +94,6 @@ def _occurred_at(event: Event, now: int) -> int:
     if event.occurred_at is not None:
         return event.occurred_at
     return now - now % 86400 if event.event_id else now
-
-
-def _object_id(prefix: str, event: Event, event_id: str) -> str:
-    """A Stripe object id: new for a new event, the same for every send of a given id."""
-    if event.event_id is None:
-        return f"{prefix}_{uuid.uuid4().hex[:24]}"
-    return f"{prefix}_{hashlib.sha256(f'{prefix}:{event_id}'.encode()).hexdigest()[:24]}"
-
-
-def standard_body(event: Event, timestamp: int) -> bytes:
-    data: dict[str, Any] = {
-        "gateway_order_id": event.gateway_order_id,
-        "amount": event.amount,
-        "currency": event.currency.upper(),
-    }
-    if event.merchant_reference is not None:
-        data["merchant_reference"] = event.merchant_reference
-    payload = {
-        "type": event.event_type,
-        "timestamp": datetime.fromtimestamp(timestamp, UTC).isoformat(),
-        "data": data,
-    }
-    return json.dumps(payload).encode()
-
-
-def stripe_body(event: Event, event_id: str, timestamp: int) -> bytes:
-    """A Stripe event object as Stripe posts it, for the object its type names."""
-    currency = event.currency.lower()
-    metadata = {"order_id": event.merchant_reference} if event.merchant_reference else {}
-    obj: dict[str, Any]
-    if event.event_type.startswith("charge.dispute."):
-        obj = {
-            "id": _object_id("dp", event, event_id),
-            "object": "dispute",
-            "amount": event.amount,
-            "charge": _object_id("ch", event, event_id),
-            "currency": currency,
-            "payment_intent": event.gateway_order_id,
-            "reason": "fraudulent",
-            "status": "needs_response",
-            "metadata": metadata,
-        }
-    elif event.event_type.startswith("charge."):
-        obj = {
-            "id": _object_id("ch", event, event_id),
-            "object": "charge",
-            "amount": event.amount,
-            "amount_captured": event.amount,
-            "amount_refunded": event.amount if event.event_type == "charge.refunded" else 0,
-            "currency": currency,
-            "payment_intent": event.gateway_order_id,
-            "refunded": event.event_type == "charge.refunded",
-            "status": "succeeded",
-            "metadata": metadata,
-        }
-    else:
-        failed = event.event_type == "payment_intent.payment_failed"
-        obj = {
-            "id": event.gateway_order_id,
-            "object": "payment_intent",
-            "amount": event.amount,
-            "amount_received": 0 if failed else event.amount,
-            "currency": currency,
-            "status": "requires_payment_method" if failed else "succeeded",
-            "last_payment_error": {"code": "card_declined"} if failed else None,
-            "metadata": metadata,
-        }
-    payload = {
-        "id": event_id,
-        "object": "event",
-        "api_version": STRIPE_API_VERSION,
-        "created": timestamp,
-        "data": {"object": obj},
-        "livemode": False,
-        "pending_webhooks": 1,
-        "request": {"id": None, "idempotency_key": None},
-        "type": event.event_type,
-    }
-    return json.dumps(payload).encode()
 
 
 async def send_copies(
@@ -241,7 +158,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         raise PayhookError("--event-id: printable ASCII only, as gateways send them")
     event = Event(
         gateway=args.gateway,
-        event_type=args.type or DEFAULT_TYPES[args.gateway],
+        event_type=args.type or get_gateway(args.gateway).sample_type,
         gateway_order_id=args.gateway_order_id,
         amount=args.amount,
         currency=args.currency,

@@ -112,6 +112,24 @@ class Event:
         return cls(**values)
 
 
+@dataclass(frozen=True)
+class Sample:
+    """A test event to send as the gateway would (`payhook send`)."""
+
+    event_id: str
+    event_type: str
+    gateway_order_id: str
+    #: Minor units.
+    amount: int
+    currency: str
+    merchant_reference: str | None
+    #: When it happened, Unix seconds, as its body says.
+    occurred_at: int
+    #: The event id was given: every send of it must repeat the same body (a
+    #: redelivery), so the objects it names get ids derived from it.
+    repeated: bool = False
+
+
 class Gateway(Protocol):
     """Verify a raw request against an endpoint's secrets; read its event.
 
@@ -137,6 +155,18 @@ class Gateway(Protocol):
     def read_event_id(self, headers: Mapping[str, str], body: bytes) -> str | None:
         """The event id of an authentic request as the gateway sent it, for
         the ingress's log line, without parsing more; None if unreadable."""
+
+    #: The event type `payhook send` sends when none is given.
+    sample_type: str
+
+    def new_event_id(self) -> str:
+        """A fresh event id in the gateway's format."""
+
+    def sample_request(
+        self, sample: Sample, secret: str, timestamp: int
+    ) -> tuple[bytes, dict[str, str]]:
+        """The body and signed headers the gateway would send for `sample`;
+        `ValueError` if it cannot sign with `secret`."""
 
     def verify(
         self,

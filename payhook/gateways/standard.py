@@ -11,9 +11,12 @@ import base64
 import functools
 import hashlib
 import hmac
+import json
 import secrets as random
+import uuid
 from collections.abc import Mapping, Sequence
-from datetime import datetime
+from datetime import UTC, datetime
+from typing import Any
 
 from payhook.errors import MalformedEvent, MalformedHeaders, SignatureMismatch
 from payhook.gateways.base import (
@@ -21,6 +24,7 @@ from payhook.gateways.base import (
     MAX_SIGNATURE_HEADER,
     MAX_TEXT,
     Event,
+    Sample,
     any_signature_matches,
     canonical_digest,
     check_tolerance,
@@ -87,6 +91,35 @@ class StandardGateway:
 
     def read_event_id(self, headers: Mapping[str, str], body: bytes) -> str | None:
         return headers.get("webhook-id") or None
+
+    sample_type = "payment.succeeded"
+
+    def new_event_id(self) -> str:
+        return f"msg_{uuid.uuid4().hex}"
+
+    def sample_request(
+        self, sample: Sample, secret: str, timestamp: int
+    ) -> tuple[bytes, dict[str, str]]:
+        data: dict[str, Any] = {
+            "gateway_order_id": sample.gateway_order_id,
+            "amount": sample.amount,
+            "currency": sample.currency.upper(),
+        }
+        if sample.merchant_reference is not None:
+            data["merchant_reference"] = sample.merchant_reference
+        body = json.dumps(
+            {
+                "type": sample.event_type,
+                "timestamp": datetime.fromtimestamp(sample.occurred_at, UTC).isoformat(),
+                "data": data,
+            }
+        ).encode()
+        headers = {
+            "webhook-id": sample.event_id,
+            "webhook-timestamp": str(timestamp),
+            "webhook-signature": sign(secret, sample.event_id, timestamp, body),
+        }
+        return body, headers
 
     def verify(
         self,

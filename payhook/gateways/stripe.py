@@ -14,6 +14,7 @@ import hashlib
 import hmac
 import json
 import secrets as random
+import uuid
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
@@ -23,6 +24,7 @@ from payhook.gateways.base import (
     MAX_REFERENCE,
     MAX_SIGNATURE_HEADER,
     Event,
+    Sample,
     any_signature_matches,
     canonical_digest,
     check_tolerance,
@@ -81,6 +83,17 @@ class StripeGateway:
                 f"a Stripe signing secret is whsec_ and at least {MIN_SECRET} more "
                 "characters, without spaces (copy it from the endpoint's page at Stripe)"
             )
+
+    sample_type = "payment_intent.succeeded"
+
+    def new_event_id(self) -> str:
+        return f"evt_{uuid.uuid4().hex[:24]}"
+
+    def sample_request(
+        self, sample: Sample, secret: str, timestamp: int
+    ) -> tuple[bytes, dict[str, str]]:
+        body = _sample_body(sample)
+        return body, {"stripe-signature": sign(secret, timestamp, body)}
 
     def read_event_id(self, headers: Mapping[str, str], body: bytes) -> str | None:
         try:
@@ -191,6 +204,74 @@ class StripeGateway:
             return _business_digest(load_json_object(body))
         except (MalformedEvent, RecursionError):
             return raw_digest(body)
+
+
+#: Stripe's API version stamped on the events `payhook send` sends.
+SAMPLE_API_VERSION = "2024-06-20"
+
+
+def _sample_body(sample: Sample) -> bytes:
+    """A Stripe event object as Stripe posts it, for the object its type names."""
+    currency = sample.currency.lower()
+    metadata = {"order_id": sample.merchant_reference} if sample.merchant_reference else {}
+    obj: dict[str, Any]
+    if sample.event_type.startswith("charge.dispute."):
+        obj = {
+            "id": _sample_object_id("dp", sample),
+            "object": "dispute",
+            "amount": sample.amount,
+            "charge": _sample_object_id("ch", sample),
+            "currency": currency,
+            "payment_intent": sample.gateway_order_id,
+            "reason": "fraudulent",
+            "status": "needs_response",
+            "metadata": metadata,
+        }
+    elif sample.event_type.startswith("charge."):
+        refunded = sample.event_type == "charge.refunded"
+        obj = {
+            "id": _sample_object_id("ch", sample),
+            "object": "charge",
+            "amount": sample.amount,
+            "amount_captured": sample.amount,
+            "amount_refunded": sample.amount if refunded else 0,
+            "currency": currency,
+            "payment_intent": sample.gateway_order_id,
+            "refunded": refunded,
+            "status": "succeeded",
+            "metadata": metadata,
+        }
+    else:
+        failed = sample.event_type == "payment_intent.payment_failed"
+        obj = {
+            "id": sample.gateway_order_id,
+            "object": "payment_intent",
+            "amount": sample.amount,
+            "amount_received": 0 if failed else sample.amount,
+            "currency": currency,
+            "status": "requires_payment_method" if failed else "succeeded",
+            "last_payment_error": {"code": "card_declined"} if failed else None,
+            "metadata": metadata,
+        }
+    payload = {
+        "id": sample.event_id,
+        "object": "event",
+        "api_version": SAMPLE_API_VERSION,
+        "created": sample.occurred_at,
+        "data": {"object": obj},
+        "livemode": False,
+        "pending_webhooks": 1,
+        "request": {"id": None, "idempotency_key": None},
+        "type": sample.event_type,
+    }
+    return json.dumps(payload).encode()
+
+
+def _sample_object_id(prefix: str, sample: Sample) -> str:
+    """A Stripe object id: new for a new event, the same for every send of a given id."""
+    if not sample.repeated:
+        return f"{prefix}_{uuid.uuid4().hex[:24]}"
+    return f"{prefix}_{hashlib.sha256(f'{prefix}:{sample.event_id}'.encode()).hexdigest()[:24]}"
 
 
 def _payment_intent(obj: Mapping[str, Any]) -> str | None:

@@ -19,9 +19,11 @@ import pytest
 from consumer.handler import Runtime, handle
 from control import admin
 from control.cli import build_parser
+from control.sender import Event as SendEvent
+from control.sender import sign_event
 from payhook.errors import MalformedHeaders, PayhookError, SignatureMismatch
 from payhook.gateways import GATEWAYS, Event
-from payhook.gateways.base import canonical_digest, load_json_object, raw_digest
+from payhook.gateways.base import Sample, canonical_digest, load_json_object, raw_digest
 from payhook.horizon import minimum_receipt_retention
 from payhook.settings import Settings
 from tests.factories import TEST_KEYRING, TEST_SECRETS_KEY, Factory, Shop, envelope
@@ -82,6 +84,25 @@ class ToyGateway:
     def unreadable_digest(self, body: bytes) -> str:
         return raw_digest(body)
 
+    sample_type = "toy.paid"
+
+    def new_event_id(self) -> str:
+        return f"toy_{uuid.uuid4().hex}"
+
+    def sample_request(
+        self, sample: Sample, secret: str, timestamp: int
+    ) -> tuple[bytes, dict[str, str]]:
+        body = json.dumps(
+            {
+                "id": sample.event_id,
+                "created": sample.occurred_at,
+                "order": sample.gateway_order_id,
+                "amount": sample.amount,
+                "currency": sample.currency,
+            }
+        ).encode()
+        return body, {"toy-signature": sign(secret, body)}
+
 
 def sign(secret: str, body: bytes) -> str:
     return hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
@@ -125,16 +146,16 @@ async def test_a_gateway_registered_in_its_module_is_served_end_to_end(
     # The longest window of any gateway sets the shortest receipt retention.
     assert minimum_receipt_retention()[1] == "toy"
 
+    # `payhook send --gateway toy` signs it as the gateway would.
+    sample = SendEvent("toy", "toy.paid", "order-t1", 1999, "EUR")
+    request = sign_event(sample, endpoint["secret"])
     async with running(Settings.from_env(_env(settings))) as harness:
         await refresh(harness)
-        body = toy_body("order-t1")
         forged = await harness.post(
-            endpoint["endpoint_id"], body, {"toy-signature": sign("toy_other", body)}
+            endpoint["endpoint_id"], request.body, {"toy-signature": sign("toy_o", request.body)}
         )
         assert forged.status_code == 401
-        response = await harness.post(
-            endpoint["endpoint_id"], body, {"toy-signature": sign(endpoint["secret"], body)}
-        )
+        response = await harness.post(endpoint["endpoint_id"], request.body, request.headers)
         assert response.status_code == 202
     [result] = drain(settings)
     assert result["outcome"] == "applied"
