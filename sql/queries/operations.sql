@@ -72,7 +72,7 @@ SELECT id, tenant_id, event_id, order_id, kind, detail, created_at, resolved_at
 SELECT tenant_id, id, event_id, order_id, kind, event, resolved_at
   FROM payhook.payment_exceptions
  WHERE id = %(id)s
-   AND (%(tenant_id)s::uuid IS NULL OR tenant_id = %(tenant_id)s::uuid)
+   AND tenant_id = %(tenant_id)s
    FOR UPDATE
 
 -- local_lock_timeout --
