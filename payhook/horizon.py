@@ -16,8 +16,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 from payhook.gateways import GATEWAYS
-
-DAY = 86400.0
+from payhook.gateways.base import DAY as DAY  # the gateways count their windows in it too
 
 
 def redelivery_windows() -> dict[str, float]:

@@ -28,6 +28,8 @@ MAX_TEXT = 255
 #: to 500, and an order found by such a reference must be found by its event.
 #: Still well within an index row (2,000 bytes of UTF-8 at most).
 MAX_REFERENCE = 500
+#: Seconds in a day, for the gateways' redelivery windows.
+DAY = 86400.0
 
 
 @dataclass(frozen=True)
@@ -54,8 +56,9 @@ class Event:
     cumulative: bool = False
     #: sha256 of what the event means (type, identifiers, amount, currency,
     #: status), however the gateway rendered it: a repeat of the identity is
-    #: a conflict when this differs. None for a body payhook cannot read,
-    #: compared by `digest` instead.
+    #: a conflict when this differs. None where `digest` already is that (a
+    #: gateway that renders an event one way only, as Standard Webhooks) and
+    #: for a body payhook cannot read: repeats are compared by `digest`.
     meaning: str | None = None
 
     def to_json(self) -> dict[str, Any]:
@@ -73,7 +76,7 @@ class Event:
         occurred_at: datetime | None,
         digest: str,
         *,
-        meaning: str,
+        meaning: str | None = None,
     ) -> Event:
         """An event of a type payhook does not act on: recorded, nothing more."""
         return cls(

@@ -20,6 +20,7 @@ from typing import Any
 
 from payhook.errors import MalformedEvent, MalformedHeaders, SignatureMismatch
 from payhook.gateways.base import (
+    DAY,
     MAX_REFERENCE,
     MAX_SIGNATURE_HEADER,
     MAX_TEXT,
@@ -37,8 +38,6 @@ from payhook.gateways.base import (
 
 #: Seconds a signed timestamp may differ from our clock.
 TOLERANCE = 300
-#: Seconds in a day.
-DAY = 86400.0
 SECRET_PREFIX = "whsec_"
 TYPES = {
     "payment.succeeded": "succeeded",
@@ -147,8 +146,7 @@ class StandardGateway:
         occurred_at = _parse_time(data.get("timestamp"))
         payment = data.get("data")
         if kind is None:
-            # One rendering only: what it means is all of it.
-            return Event.ignored(event_id, event_type, occurred_at, digest, meaning=digest)
+            return Event.ignored(event_id, event_type, occurred_at, digest)
         if occurred_at is None:
             # The horizon guard judges an event by this time: without it, an
             # event of any age would pass.
@@ -167,7 +165,6 @@ class StandardGateway:
             amount_minor=require_amount(payment, "amount"),
             currency=require_currency(payment, "currency"),
             digest=digest,
-            meaning=digest,
         )
 
     def unreadable_digest(self, body: bytes) -> str:

@@ -21,6 +21,7 @@ from typing import Any
 
 from payhook.errors import MalformedEvent, MalformedHeaders, SignatureMismatch
 from payhook.gateways.base import (
+    DAY,
     MAX_REFERENCE,
     MAX_SIGNATURE_HEADER,
     Event,
@@ -65,7 +66,7 @@ class StripeGateway:
     signature_headers: tuple[str, ...] = ("stripe-signature",)
     tolerance: float = TOLERANCE
     #: Stripe retries for 3 days and lets anyone list and resend an event for 30.
-    redelivery_window: float = 30 * 86400.0
+    redelivery_window: float = 30 * DAY
 
     def generate_secret(self) -> str:
         return generate_secret()

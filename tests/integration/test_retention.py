@@ -88,7 +88,8 @@ def test_receipts_past_the_horizon_move_to_a_compact_archive_in_batches(
     for row in rows:
         live = before[row["event_id"]]
         assert bytes(row["payload_sha256"]).hex() == live["payload_sha256"]
-        assert bytes(row["meaning_sha256"]).hex() == live["meaning_sha256"]
+        meaning = row["meaning_sha256"]
+        assert (None if meaning is None else bytes(meaning).hex()) == live["meaning_sha256"]
         assert (row["outcome"], row["received_at"], row["processed_at"], row["occurred_at"]) == (
             live["outcome"],
             live["received_at"],
