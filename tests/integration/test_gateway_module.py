@@ -191,3 +191,17 @@ def _env(settings: Settings) -> dict[str, str]:
         "PAYHOOK_SECRETS_KEY": TEST_SECRETS_KEY,
         "PAYHOOK_ENDPOINT_REFRESH": "1h",
     }
+
+
+@pytest.mark.anyio
+async def test_the_ingress_does_not_serve_an_endpoint_of_an_unknown_gateway(
+    factory: Factory, settings: Settings
+) -> None:
+    shop = factory.shop()
+    factory.conn.execute(
+        "UPDATE payhook.webhook_endpoints SET gateway = 'later' WHERE id = %s", (shop.endpoint_id,)
+    )
+    async with running(Settings.from_env(_env(settings))) as harness:
+        assert await refresh(harness)
+        response = await harness.post(shop.endpoint_id, b"{}", {"toy-signature": "x"})
+        assert response.status_code == 404

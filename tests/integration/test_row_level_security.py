@@ -18,9 +18,11 @@ from psycopg import sql
 
 from consumer.handler import Runtime, handle
 from payhook.db import Row, connect, fetch_all, tenant_transaction
+from payhook.errors import DatabaseRoleError
 from payhook.settings import Settings
 from tests.conftest import PG_SERVER, test_settings
 from tests.factories import Factory, Shop, StandardEvent
+from tests.integration.test_ingress_webhooks import refresh, running
 
 #: Every table of schema payhook with a tenant column, and that column.
 TENANT_TABLES = {
@@ -305,3 +307,44 @@ def test_operators_paths_across_tenants_are_counted_in_the_audit(
     assert audit == [{"login": "postgres", "path": "list_exceptions", "calls": 2}]
     with pytest.raises(psycopg.errors.InsufficientPrivilege):
         app_conn.execute("SELECT payhook.audit_cross_tenant('forged')")
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.mark.anyio
+async def test_the_ingress_reads_its_endpoints_as_the_configured_role(
+    factory: Factory, settings: Settings, unrestricted_role: Settings
+) -> None:
+    """The role it is given, not the login's: one that may not call the
+    ingress's function reads no endpoint, and the ingress is not ready."""
+    shop = factory.shop()
+    async with running(test_settings(_database(settings), PAYHOOK_ENDPOINT_REFRESH="1h")) as ok:
+        assert await refresh(ok)
+        assert ok.ingress.cache.get(shop.endpoint_id) is not None
+    async with running(unrestricted_role) as refused:
+        assert not await refresh(refused)
+        assert not refused.ingress.cache.loaded
+
+
+def test_a_login_that_cannot_take_the_role_is_told_which_setting(settings: Settings) -> None:
+    missing = test_settings(_database(settings), PAYHOOK_DATABASE_ROLE="payhook_nobody")
+    with pytest.raises(DatabaseRoleError, match=r"PAYHOOK_DATABASE_ROLE: .*'payhook_nobody'"):
+        connect(missing)
+    login = f"payhook_test_login_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(f"{PG_SERVER}/postgres", autocommit=True) as admin:
+        admin.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(login)))
+    try:
+        url = PG_SERVER.replace("//postgres@", f"//{login}@", 1)
+        outsider = test_settings(_database(settings), DATABASE_URL=f"{url}/{_database(settings)}")
+        with pytest.raises(DatabaseRoleError, match="GRANT payhook_app TO"):
+            connect(outsider)
+    finally:
+        with psycopg.connect(f"{PG_SERVER}/postgres", autocommit=True) as admin:
+            admin.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(login)))
+
+
+def _database(settings: Settings) -> str:
+    return str(psycopg.conninfo.conninfo_to_dict(settings.database_url)["dbname"])
