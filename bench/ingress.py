@@ -299,7 +299,7 @@ async def compare_enqueue(settings: Settings, count: int = 3200) -> dict[str, tu
     enqueuer = Enqueuer(settings)
 
     async def batched(envelope: Envelope) -> None:
-        await enqueuer.enqueue(envelope)
+        await enqueuer.enqueue([envelope])
 
     for name, enqueue in (("thread pool + enqueue_event", threaded), ("ingress writer", batched)):
         cpu, wall = time.process_time(), time.perf_counter()

@@ -9,7 +9,7 @@ import psycopg
 import structlog
 
 from payhook.db import Row, fetch_one
-from payhook.endpoints import Endpoint, open_secret, open_secrets
+from payhook.endpoints import Endpoint, open_credentials, open_secret, open_secrets
 from payhook.gateways import GATEWAYS
 from payhook.sealing import Keyring
 
@@ -59,6 +59,8 @@ class EndpointCache:
             retired=tuple(
                 (secret, datetime.fromisoformat(at)) for secret, at in retired if secret is not None
             ),
+            settings=row["settings"],
+            credentials=open_credentials(self.keyring, tenant_id, found_id, row["credentials"]),
         )
         self._entries[endpoint_id] = (endpoint, time.monotonic())
         return endpoint, True

@@ -17,7 +17,7 @@ from consumer.transaction import Applied, TooManyRetries, apply_with_retries
 from payhook import counters
 from payhook.db import Pool, Row, execute, pooled_connection, tenant_transaction
 from payhook.endpoints import Endpoint
-from payhook.envelope import Envelope, MalformedJob, NewerEnvelope
+from payhook.envelope import Envelope, MalformedJob, NewerEnvelope, part_proven
 from payhook.errors import MalformedEvent, SignatureError, SignatureMismatch
 from payhook.gateways import Event, Gateway, get_gateway
 from payhook.gateways.base import raw_digest
@@ -96,6 +96,10 @@ def handle(runtime: Runtime, data: object) -> Applied:
         structlog.contextvars.bind_contextvars(event_id=event.event_id)
         if malformed is not None:
             log.error("event_malformed", field=malformed.field, reason=malformed.reason)
+        elif event.kind is not None:
+            # What the event only links to, from the gateway's API, before the
+            # transaction; GatewayUnavailable goes to RQ: the job is retried.
+            event, malformed = _completed(runtime, gateway, endpoint, event)
         try:
             result = apply_with_retries(
                 conn,
@@ -127,7 +131,36 @@ def _verify(runtime: Runtime, gateway: Gateway, envelope: Envelope, endpoint: En
     # the ingress's cache, which refreshes every PAYHOOK_ENDPOINT_REFRESH.
     grace = timedelta(seconds=runtime.settings.endpoint_refresh) + CLOCK_SKEW
     secrets = endpoint.secrets_at(envelope.received_at, grace)
-    gateway.verify(envelope.headers, envelope.body, secrets, now=None, tolerance=None)
+    if envelope.part is not None:
+        # One event of a batch: the gateway signed the request, which the job
+        # does not carry; the ingress's proof stands for that signature.
+        if not part_proven(envelope, secrets):
+            raise SignatureMismatch()
+        return
+    fetch = gateway.fetcher(envelope.headers, endpoint.config)
+    if fetch is not None:
+        fetch(runtime.settings.gateway_timeout)
+    gateway.verify(
+        envelope.headers,
+        envelope.body,
+        secrets,
+        now=None,
+        tolerance=None,
+        config=endpoint.config,
+    )
+
+
+def _completed(
+    runtime: Runtime, gateway: Gateway, endpoint: Endpoint, event: Event
+) -> tuple[Event, MalformedEvent | None]:
+    """The event with what the gateway's API adds to it, stored as any event
+    is; what the API answered may be malformed too."""
+    try:
+        completed = gateway.complete(event, endpoint.config, runtime.settings.gateway_timeout)
+        return (event if completed is event else storable_event(completed)), None
+    except MalformedEvent as exc:
+        log.error("event_malformed", field=exc.field, reason=exc.reason)
+        return event, exc
 
 
 def _read_event(gateway: Gateway, envelope: Envelope) -> tuple[Event, MalformedEvent | None]:

@@ -8,12 +8,14 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import psycopg
+from psycopg.types.json import Jsonb
 
 from payhook.db import Row, execute, fetch_one, tenant_of, tenant_transaction
 from payhook.destinations import DestinationPolicy, DestinationRefused, Resolve, resolve_host
 from payhook.errors import NotFound, PayhookError
 from payhook.gateways import generate_secret, get_gateway, standard
-from payhook.sealing import Keyring, endpoint_aad, tenant_aad
+from payhook.gateways.base import NO_CONFIG, Config
+from payhook.sealing import Keyring, credential_aad, endpoint_aad, tenant_aad
 
 #: Days a retired secret still verifies jobs received before its retirement:
 #: longer than a job stays in the dead-letter queue (payhook.queue.FAILURE_TTL).
@@ -72,11 +74,21 @@ def add_endpoint(
     secret: str | None = None,
     *,
     keyring: Keyring,
+    config: Config = NO_CONFIG,
 ) -> NewEndpoint:
-    get_gateway(gateway)
+    """A new endpoint of `gateway`, with `config`'s settings and credentials
+    (sealed like its secret), checked by the gateway's module."""
+    try:
+        get_gateway(gateway).check_config(config)
+    except ValueError as exc:
+        raise PayhookError(f"--gateway {gateway}: {exc}") from None
     secret = _checked_secret(gateway, secret or generate_secret(gateway))
     tenant_id = _uuid(tenant_id, "--tenant")
     endpoint_id = str(uuid.uuid4())
+    credentials = {
+        name: keyring.seal(value, credential_aad(tenant_id, endpoint_id, name))
+        for name, value in config.credentials.items()
+    }
     try:
         with tenant_transaction(conn, tenant_id):
             execute(
@@ -87,6 +99,8 @@ def add_endpoint(
                     "id": endpoint_id,
                     "gateway": gateway,
                     "secrets": [keyring.seal(secret, endpoint_aad(tenant_id, endpoint_id))],
+                    "settings": Jsonb(dict(config.settings)),
+                    "credentials": Jsonb(credentials),
                 },
             )
     except psycopg.errors.ForeignKeyViolation:

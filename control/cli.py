@@ -90,12 +90,24 @@ def cmd_tenants_add(args: argparse.Namespace, settings: Settings) -> int:
 
 def cmd_endpoints_add(args: argparse.Namespace, settings: Settings) -> int:
     from control.admin import add_endpoint
+    from control.sender import named_values
     from payhook.db import connect
+    from payhook.gateways.base import Config
     from payhook.sealing import Keyring
 
     keyring = Keyring.from_settings(settings)
     with connect(settings) as conn:
-        endpoint = add_endpoint(conn, args.tenant, args.gateway, args.secret, keyring=keyring)
+        endpoint = add_endpoint(
+            conn,
+            args.tenant,
+            args.gateway,
+            args.secret,
+            keyring=keyring,
+            config=Config(
+                named_values("--setting", args.setting or []),
+                named_values("--credential", args.credential or []),
+            ),
+        )
     print(json.dumps(endpoint.__dict__))
     return 0
 
@@ -299,6 +311,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tenant", required=True)
     p.add_argument("--gateway", required=True, choices=sorted(GATEWAYS))
     p.add_argument("--secret", help="the signing secret (generated when omitted)")
+    p.add_argument(
+        "--setting",
+        action="append",
+        metavar="NAME=VALUE",
+        help="a setting the gateway reads (docs/gateways.md lists them; @PATH: a file's text)",
+    )
+    p.add_argument(
+        "--credential",
+        action="append",
+        metavar="NAME=VALUE",
+        help="a credential, sealed at rest (VALUE - : read a line from stdin)",
+    )
     p = add("rotate", cmd_endpoints_rotate, "add a new secret; old ones still verify", endpoints)
     p.add_argument("endpoint")
     p.add_argument("--secret", help="the new secret (generated when omitted)")
@@ -360,8 +384,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--secret", required=True)
     p.add_argument(
         "--type",
+        action="append",
         help="the gateway's event type (default: payment.succeeded for standard, "
-        "payment_intent.succeeded for stripe)",
+        "payment_intent.succeeded for stripe, ...); repeated, one request carries "
+        "each, for a gateway that batches (adyen, gocardless)",
+    )
+    p.add_argument(
+        "--setting",
+        action="append",
+        metavar="NAME=VALUE",
+        help="a setting of the endpoint, as the gateway is configured (@PATH: a file's text)",
+    )
+    p.add_argument(
+        "--credential",
+        action="append",
+        metavar="NAME=VALUE",
+        help="a credential the gateway signs or authenticates with (VALUE - : read from stdin)",
     )
     p.add_argument("--merchant-ref")
     p.add_argument("--gateway-order-id", required=True)

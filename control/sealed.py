@@ -22,6 +22,7 @@ from payhook.sealing import (
     PREFIX,
     Keyring,
     SealingError,
+    credential_aad,
     endpoint_aad,
     is_sealed,
     tenant_aad,
@@ -133,6 +134,11 @@ def _reseal_row(
                 else r
                 for r in row["retired_secrets"]
             ]
+            tenant_id, endpoint_id = str(row["tenant_id"]), str(row["id"])
+            credentials = {
+                name: keyring.reseal(value, credential_aad(tenant_id, endpoint_id, name))
+                for name, value in row["credentials"].items()
+            }
             execute(
                 conn,
                 "set_endpoint_secrets",
@@ -141,6 +147,7 @@ def _reseal_row(
                     "id": row["id"],
                     "secrets": secrets,
                     "retired_secrets": Jsonb(retired),
+                    "credentials": Jsonb(credentials),
                 },
             )
     except SealingError as exc:
@@ -183,6 +190,10 @@ def check_all(
                 for value in values:
                     if value is not None:
                         _check_value(report, keyring, f"{kind} {row['id']}", value, aad)
+                for name, value in row.get("credentials", {}).items():
+                    aad = credential_aad(str(row["tenant_id"]), str(row["id"]), name)
+                    place = f"{kind} {row['id']} credential {name}"
+                    _check_value(report, keyring, place, value, aad)
             if len(rows) < batch:
                 break
             after = rows[-1]["id"]

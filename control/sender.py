@@ -12,16 +12,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import httpx
 
 from payhook.errors import PayhookError
 from payhook.gateways import get_gateway
-from payhook.gateways.base import Sample
+from payhook.gateways.base import NO_CONFIG, Config, Sample
 from payhook.settings import Settings
 
 #: Seconds one request may take, connecting included.
@@ -42,6 +44,9 @@ class Event:
     #: When the event happened (Unix seconds), as its body says; None: a
     #: new event happens now, and a given event id at midnight UTC today.
     occurred_at: int | None = None
+    #: Types of further events of the same order in the same request, for a
+    #: gateway that batches (GoCardless, Adyen).
+    also: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -53,32 +58,42 @@ class SignedRequest:
     occurred_at: int = 0
 
 
-def sign_event(event: Event, secret: str, timestamp: int | None = None) -> SignedRequest:
+def sign_event(
+    event: Event, secret: str, timestamp: int | None = None, config: Config = NO_CONFIG
+) -> SignedRequest:
     """The body and headers a gateway would send for `event`, signed with
-    `secret`: the gateway's module builds them (`Gateway.sample_request`)."""
+    `secret` as an endpoint of `config` is set up at the gateway: the
+    gateway's module builds them (`Gateway.sample_request`)."""
     try:
         gateway = get_gateway(event.gateway)
     except ValueError as exc:
         raise PayhookError(f"--gateway: {exc}") from None
     timestamp = int(time.time()) if timestamp is None else timestamp
     occurred = _occurred_at(event, timestamp)
-    sample = Sample(
-        event_id=event.event_id or gateway.new_event_id(),
-        event_type=event.event_type,
-        gateway_order_id=event.gateway_order_id,
-        amount=event.amount,
-        currency=event.currency,
-        merchant_reference=event.merchant_reference,
-        occurred_at=occurred,
-        repeated=event.event_id is not None,
-    )
+    first = event.event_id or gateway.new_event_id()
+    samples = [
+        Sample(
+            # A given id sent again repeats the whole request, its batch too.
+            event_id=first
+            if n == 0
+            else (f"{first}_{n}" if event.event_id else gateway.new_event_id()),
+            event_type=event_type,
+            gateway_order_id=event.gateway_order_id,
+            amount=event.amount,
+            currency=event.currency,
+            merchant_reference=event.merchant_reference,
+            occurred_at=occurred,
+            repeated=event.event_id is not None,
+        )
+        for n, event_type in enumerate((event.event_type, *event.also))
+    ]
     try:
-        body, headers = gateway.sample_request(sample, secret, timestamp)
+        body, headers = gateway.sample_request(samples, secret, timestamp, config)
     except ValueError as exc:
-        raise PayhookError(f"--secret: {exc}") from None
+        raise PayhookError(f"--gateway {gateway.name}: {exc}") from None
     headers["content-type"] = "application/json"
     headers["user-agent"] = "payhook-send"
-    return SignedRequest(sample.event_id, body, headers, occurred)
+    return SignedRequest(first, body, headers, occurred)
 
 
 def _iso(seconds: int) -> str:
@@ -156,9 +171,11 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         raise PayhookError("--url must be an http:// or https:// URL")
     if args.event_id is not None and not (args.event_id.isascii() and args.event_id.isprintable()):
         raise PayhookError("--event-id: printable ASCII only, as gateways send them")
+    types = args.type or [get_gateway(args.gateway).sample_type]
     event = Event(
         gateway=args.gateway,
-        event_type=args.type or get_gateway(args.gateway).sample_type,
+        event_type=types[0],
+        also=tuple(types[1:]),
         gateway_order_id=args.gateway_order_id,
         amount=args.amount,
         currency=args.currency,
@@ -166,7 +183,11 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         event_id=args.event_id,
         occurred_at=_parse_occurred_at(args.occurred_at),
     )
-    request = sign_event(event, args.secret)
+    config = Config(
+        named_values("--setting", args.setting or []),
+        named_values("--credential", args.credential or []),
+    )
+    request = sign_event(event, args.secret, config=config)
     results = asyncio.run(send_copies(args.url, request, args.copies, args.concurrency))
     accepted = all(200 <= result.get("status", 0) < 300 for result in results)
     return 0 if accepted else 1
@@ -182,3 +203,23 @@ def _parse_occurred_at(value: str | None) -> int | None:
     if moment.tzinfo is None:
         raise PayhookError("--occurred-at: give a time zone, e.g. 2026-11-30T09:00:00Z")
     return int(moment.timestamp())
+
+
+def named_values(option: str, given: list[str]) -> dict[str, str]:
+    """`NAME=VALUE` arguments as a mapping; a VALUE of `-` is read from a
+    line of standard input (a credential kept out of the shell's history),
+    one of `@PATH` from that file (a PEM certificate)."""
+    values: dict[str, str] = {}
+    for item in given:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise PayhookError(f"{option}: expected NAME=VALUE, got {item!r}")
+        if value == "-":
+            value = sys.stdin.readline().rstrip("\n")
+        elif value.startswith("@"):
+            try:
+                value = Path(value[1:]).read_text()
+            except OSError as exc:
+                raise PayhookError(f"{option} {name}: {exc}") from None
+        values[name] = value
+    return values

@@ -13,6 +13,7 @@ every interval, and while PostgreSQL is away the last good copy keeps serving.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Awaitable, Callable, Iterable
 
@@ -21,7 +22,7 @@ import structlog
 from psycopg.rows import dict_row
 
 from payhook.db import connection_kwargs
-from payhook.endpoints import Endpoint, open_secret
+from payhook.endpoints import Endpoint, open_credentials, open_secret
 from payhook.gateways import GATEWAYS
 from payhook.queries import query
 from payhook.sealing import Keyring, MissingKey, is_sealed
@@ -96,6 +97,8 @@ class PostgresEndpoints:
         #: endpoint and stored value: an unchanged value is not opened again
         #: (nor logged again when it does not open) while the copy is rebuilt.
         self._opened: dict[tuple[str, str, str], Secret | None] = {}
+        #: The same for each endpoint's credentials, by their stored values.
+        self._credentials: dict[tuple[str, str, str], dict[str, Secret]] = {}
 
     async def __call__(self) -> list[Endpoint] | None:
         try:
@@ -120,9 +123,12 @@ class PostgresEndpoints:
             raise
         version = rows[0]["version"] if rows else None
         rows = [row for row in rows if row["id"] is not None]
-        if not self._keyring and any(is_sealed(s) for row in rows for s in row["secrets"]):
+        if not self._keyring and any(
+            is_sealed(s) for row in rows for s in [*row["secrets"], *row["credentials"].values()]
+        ):
             raise MissingKey()
         previous, self._opened = self._opened, {}
+        previous_credentials, self._credentials = self._credentials, {}
         endpoints = []
         for row in rows:
             tenant_id, endpoint_id = str(row["tenant_id"]), str(row["id"])
@@ -140,7 +146,22 @@ class PostgresEndpoints:
                 self._opened[key] = secret
                 if secret is not None:
                     secrets.append(secret)
-            endpoints.append(Endpoint(endpoint_id, tenant_id, row["gateway"], tuple(secrets)))
+            stored = row["credentials"]
+            key = (tenant_id, endpoint_id, json.dumps(stored, sort_keys=True))
+            credentials = previous_credentials.get(key)
+            if credentials is None:
+                credentials = open_credentials(self._keyring, tenant_id, endpoint_id, stored)
+            self._credentials[key] = credentials
+            endpoints.append(
+                Endpoint(
+                    endpoint_id,
+                    tenant_id,
+                    row["gateway"],
+                    tuple(secrets),
+                    settings=row["settings"],
+                    credentials=credentials,
+                )
+            )
         self._version, self._read_at = version, read_at
         return endpoints
 

@@ -31,7 +31,7 @@ import contextlib
 import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -350,12 +350,18 @@ class Enqueuer:
         )
         self.redis = aioredis.Redis(connection_pool=self._probes)
 
-    async def enqueue(self, envelope: Envelope) -> float:
-        """Write the job; the seconds it took. `EnqueueFailed` unless Redis accepted it."""
+    async def enqueue(self, envelopes: Sequence[Envelope]) -> float:
+        """Write the jobs, all or none (one `EVAL`); the seconds it took.
+        `EnqueueFailed` unless Redis accepted them."""
         started = time.perf_counter()
-        packed = self.template.packed(envelope)
+        packed = [self.template.packed(envelope) for envelope in envelopes]
+        whole = (
+            packed[0]
+            if len(packed) == 1
+            else PackedJob(sum(job.argc for job in packed), b"".join(job.argv for job in packed))
+        )
         try:
-            await self.writer.write(packed)
+            await self.writer.write(whole)
         except (RedisError, OSError, TimeoutError) as exc:
             raise EnqueueFailed(f"{exc.__class__.__name__}: {exc}") from exc
         return time.perf_counter() - started

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import os
@@ -21,8 +22,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from ingress.body import BodyTooLarge, ReadTimeout, read_body
 from ingress.enqueue import EnqueueFailed
 from ingress.ids import delivery_id
-from payhook.envelope import Envelope
-from payhook.errors import MalformedHeaders, SignatureError
+from payhook.endpoints import Endpoint
+from payhook.envelope import Envelope, Part, part_proof
+from payhook.errors import GatewayUnavailable, MalformedEvent, MalformedHeaders, SignatureError
 from payhook.gateways import Gateway, get_gateway
 from payhook.gateways.storable import storable_event_id
 
@@ -36,6 +38,7 @@ REASONS = {
     "MalformedHeaders": "malformed_headers",
     "SignatureMismatch": "signature_mismatch",
     "TimestampOutOfTolerance": "timestamp_out_of_tolerance",
+    "UntrustedCertificate": "untrusted_certificate",
 }
 JSON = "application/json"
 JSON_TYPE = (b"content-type", b"application/json")
@@ -45,11 +48,12 @@ FAULT_KILL_AFTER_ENQUEUE = "ingress_kill_after_enqueue"
 
 
 class Answer(NamedTuple):
-    """A webhook response: status, JSON body and headers beyond the content ones."""
+    """A webhook response: status, body and headers beyond the content ones."""
 
     status: int
     body: bytes
     headers: tuple[tuple[bytes, bytes], ...] = ()
+    content_type: bytes = b"application/json"
 
 
 def _error(status: int, error: str, headers: tuple[tuple[bytes, bytes], ...] = ()) -> Answer:
@@ -99,7 +103,10 @@ async def _answer(
     line["duration_ms"] = round((time.perf_counter() - started) * 1000, 2)
     ingress.metrics.count_request(line["gateway"] or "none", answer.status)
     log.info("webhook_received", status=answer.status, **line)
-    headers = [(b"content-length", b"%d" % len(answer.body)), JSON_TYPE, *answer.headers]
+    content_type = (
+        JSON_TYPE if answer.content_type == JSON_TYPE[1] else (JSON_TYPE[0], answer.content_type)
+    )
+    headers = [(b"content-length", b"%d" % len(answer.body)), content_type, *answer.headers]
     await send({"type": "http.response.start", "status": answer.status, "headers": headers})
     await send({"type": "http.response.body", "body": answer.body})
 
@@ -139,12 +146,18 @@ async def _receive(
     gateway = get_gateway(endpoint.gateway)
     headers = _signature_headers(scope, gateway.signature_headers)
     try:
+        fetch = gateway.fetcher(headers, endpoint.config)
+        if fetch is not None:
+            # What verifying needs from the gateway (a certificate), once; in
+            # a thread, so the event loop serves other requests meanwhile.
+            await asyncio.to_thread(fetch, ingress.settings.gateway_timeout)
         gateway.verify(
             headers,
             body,
             endpoint.secrets,
             now=time.time(),
             tolerance=gateway.tolerance,
+            config=endpoint.config,
         )
     except SignatureError as exc:
         reason = REASONS.get(exc.__class__.__name__, "signature_invalid")
@@ -152,21 +165,25 @@ async def _receive(
         ingress.metrics.signature_failures.labels(gateway.name, reason).inc()
         if isinstance(exc, MalformedHeaders):
             return _error(400, "bad_request")
-        return _error(401, "unauthorized")
+        return _error(gateway.refused_status, "unauthorized")
+    except GatewayUnavailable as exc:
+        # Not the sender's fault: it retries, by then the gateway may answer.
+        line["reason"] = "gateway_unavailable"
+        line["error"] = str(exc)
+        return _error(503, "unavailable", ingress.retry_after)
 
     # Authentic from here on. A body payhook cannot read is queued all the
     # same: the consumer records it. Only the signature headers travel.
-    line["event_id"] = read_event_id(gateway, headers, body)
-    envelope = Envelope(
-        endpoint_id=endpoint.id,
-        body=body,
-        headers=headers,
-        received_at=datetime.now(UTC),
-        delivery_id=delivery_id(),
+    envelopes = _envelopes(gateway, endpoint, headers, body)
+    if len(envelopes) == 1 and envelopes[0].part is None:
+        line["event_id"] = read_event_id(gateway, headers, body)
+    else:
+        line["events"] = len(envelopes)
+    line["delivery_id"] = (
+        envelopes[0].part.request_id if envelopes[0].part else envelopes[0].delivery_id
     )
-    line["delivery_id"] = envelope.delivery_id
     try:
-        seconds = await ingress.enqueuer.enqueue(envelope)
+        seconds = await ingress.enqueuer.enqueue(envelopes)
     except EnqueueFailed as exc:
         line["reason"] = "enqueue_failed"
         line["error"] = str(exc)
@@ -175,7 +192,39 @@ async def _receive(
     if FAULT_KILL_AFTER_ENQUEUE in ingress.settings.faults:
         log.warning("fault_kill_after_enqueue", **line)
         os.kill(os.getpid(), signal.SIGKILL)
-    return Answer(202, b'{"delivery_id": "%b"}' % envelope.delivery_id.encode())
+    reply = gateway.accepted([envelope.delivery_id for envelope in envelopes])
+    return Answer(reply.status, reply.body, content_type=reply.content_type)
+
+
+def _envelopes(
+    gateway: Gateway, endpoint: Endpoint, headers: dict[str, str], body: bytes
+) -> list[Envelope]:
+    """The jobs of an authentic request: one, or one per event of a batch,
+    each with its proof (`payhook.envelope.part_proof`)."""
+    received_at = datetime.now(UTC)
+    try:
+        parts = gateway.split(body)
+    except MalformedEvent:
+        parts = None  # recorded whole, as an event that cannot be read
+    if parts is None:
+        return [Envelope(endpoint.id, body, headers, received_at, delivery_id())]
+    request_id, count, secret = delivery_id(), len(parts), endpoint.secrets[0]
+    return [
+        Envelope(
+            endpoint_id=endpoint.id,
+            body=part,
+            headers={},
+            received_at=received_at,
+            delivery_id=delivery_id(),
+            part=Part(
+                request_id,
+                index,
+                count,
+                part_proof(secret, endpoint.id, request_id, index, count, part),
+            ),
+        )
+        for index, part in enumerate(parts)
+    ]
 
 
 def _canonical(endpoint_id: str) -> str | None:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 import structlog
 
-from payhook.sealing import Keyring, SealingError, endpoint_aad
+from payhook.gateways.base import Config
+from payhook.sealing import Keyring, SealingError, credential_aad, endpoint_aad
 from payhook.settings import Secret
 
 log = structlog.get_logger(__name__)
@@ -26,10 +27,21 @@ class Endpoint:
     secrets: tuple[str, ...] = field(repr=False)
     #: Retired secrets and when each was retired.
     retired: tuple[tuple[str, datetime], ...] = field(default=(), repr=False)
+    #: The gateway's settings (`payhook.gateways.base.Setting`) and its
+    #: credentials, opened.
+    settings: Mapping[str, str] = field(default_factory=dict)
+    credentials: Mapping[str, str] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "secrets", tuple(Secret(s) for s in self.secrets))
         object.__setattr__(self, "retired", tuple((Secret(s), at) for s, at in self.retired))
+        credentials = {name: Secret(value) for name, value in self.credentials.items()}
+        object.__setattr__(self, "credentials", credentials)
+
+    @property
+    def config(self) -> Config:
+        """What the endpoint's gateway reads beyond its secrets."""
+        return Config(self.settings, self.credentials)
 
     def secrets_at(self, received_at: datetime, grace: timedelta) -> tuple[str, ...]:
         """The secrets that may have verified at the ingress when a job was
@@ -62,3 +74,23 @@ def open_secrets(
     """The stored secrets that open, in their order."""
     opened = (open_secret(keyring, tenant_id, endpoint_id, v) for v in values)
     return tuple(s for s in opened if s is not None)
+
+
+def open_credentials(
+    keyring: Keyring, tenant_id: str, endpoint_id: str, values: Mapping[str, str]
+) -> dict[str, Secret]:
+    """The stored credentials that open, by name; one that does not open is
+    left out, logged, and the gateway finds it missing."""
+    opened = {}
+    for name, value in values.items():
+        try:
+            opened[name] = keyring.open(value, credential_aad(tenant_id, endpoint_id, name))
+        except SealingError as exc:
+            log.error(
+                "endpoint_credential_unopenable",
+                endpoint_id=endpoint_id,
+                tenant_id=tenant_id,
+                credential=name,
+                error=str(exc),
+            )
+    return opened

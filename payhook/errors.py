@@ -57,6 +57,15 @@ class TimestampOutOfTolerance(SignatureError):
     """The signed timestamp is too old or too far in the future."""
 
 
+class UntrustedCertificate(SignatureError):
+    """The signing certificate is not one payhook may trust."""
+
+
+class GatewayUnavailable(PayhookError):
+    """The gateway's API did not answer what verifying or reading the event
+    needs (a certificate, the resource an event links to): try again later."""
+
+
 class DatabaseError(PayhookError):
     """PostgreSQL failed a statement."""
 

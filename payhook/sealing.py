@@ -69,6 +69,13 @@ def endpoint_aad(tenant_id: str, endpoint_id: str) -> str:
     return f"payhook.webhook_endpoints.secret|{tenant_id}|{endpoint_id}"
 
 
+def credential_aad(tenant_id: str, endpoint_id: str, name: str) -> str:
+    """The associated data of an endpoint's credential `name` (an API token,
+    a password): bound to its row and its name, so that neither copying it
+    to another endpoint nor renaming it keeps it openable."""
+    return f"payhook.webhook_endpoints.credential|{tenant_id}|{endpoint_id}|{name}"
+
+
 def tenant_aad(tenant_id: str) -> str:
     """The associated data of a tenant's signing secret."""
     return f"payhook.tenants.signing_secret|{tenant_id}"

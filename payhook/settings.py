@@ -74,6 +74,7 @@ def positive_duration(name: str, raw: str, most: float = MAX_DURATION) -> float:
 DURATIONS: dict[str, tuple[str, float]] = {
     "endpoint_refresh": ("PAYHOOK_ENDPOINT_REFRESH", 0.1),
     "enqueue_timeout": ("PAYHOOK_ENQUEUE_TIMEOUT", 0.01),
+    "gateway_timeout": ("PAYHOOK_GATEWAY_TIMEOUT", 0.1),
     "result_ttl": ("PAYHOOK_RESULT_TTL", 1.0),
     "outbox_sla": ("PAYHOOK_OUTBOX_SLA", 1.0),
     "receipt_retention": ("PAYHOOK_RECEIPT_RETENTION", 0.0),  # checked against the horizon
@@ -133,6 +134,10 @@ class Settings:
     endpoint_refresh: float = 2.0
     #: Seconds the ingress waits for Redis before answering 503.
     enqueue_timeout: float = 2.0
+    #: Seconds a call to a gateway's API may take (a PayPal certificate, the
+    #: GoCardless payment an event links to); then the request is answered
+    #: 503, or the job retried.
+    gateway_timeout: float = 10.0
     #: Seconds an outbox row may stay undelivered before it alerts.
     outbox_sla: float = 300.0
     #: Seconds a receipt is kept before it moves to the archive; never less

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
-from payhook.gateways import standard, stripe
+from payhook.gateways import adyen, standard, stripe
 from payhook.gateways.base import KINDS, Event, Gateway
 
 #: Every gateway payhook speaks, by the name endpoints are created with.
 GATEWAYS: dict[str, Gateway] = {
-    gateway.name: gateway for gateway in (standard.StandardGateway(), stripe.StripeGateway())
+    gateway.name: gateway
+    for gateway in (
+        standard.StandardGateway(),
+        stripe.StripeGateway(),
+        adyen.AdyenGateway(),
+    )
 }
 
 

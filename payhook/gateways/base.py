@@ -5,10 +5,10 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
 from datetime import datetime
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from payhook.errors import MalformedEvent, TimestampOutOfTolerance
 
@@ -133,16 +133,54 @@ class Sample:
     repeated: bool = False
 
 
+@dataclass(frozen=True)
+class Setting:
+    """A per-endpoint setting a gateway reads (`payhook endpoints add --setting`)."""
+
+    #: What it is, for `payhook endpoints add --help` and errors.
+    help: str
+    #: Sealed at rest and never shown (a password, an API token): given with
+    #: `--credential`, stored in the endpoint's `credentials`.
+    credential: bool = False
+    required: bool = False
+
+
+@dataclass(frozen=True)
+class Config:
+    """An endpoint's settings and opened credentials, as its gateway reads them."""
+
+    settings: Mapping[str, str] = field(default_factory=dict)
+    credentials: Mapping[str, str] = field(default_factory=dict, repr=False)
+
+
+#: The configuration of an endpoint that has none.
+NO_CONFIG = Config()
+
+
+class Reply(NamedTuple):
+    """An answer the gateway expects."""
+
+    status: int
+    body: bytes
+    content_type: bytes = b"application/json"
+
+
 class Gateway(Protocol):
-    """Verify a raw request against an endpoint's secrets; read its event.
+    """Verify a raw request against an endpoint's secrets; read its events.
 
     Everything payhook knows of a gateway is here, in its one module: adding
     a gateway is adding a module and naming it in `payhook.gateways.GATEWAYS`.
+    `GatewayBase` gives what most gateways share; docs/gateways.md walks
+    through the contract.
     """
 
     name: str
     #: Lower-case names of the headers that carry the signature.
     signature_headers: tuple[str, ...]
+    #: Per-endpoint settings and credentials, by name.
+    settings: Mapping[str, Setting]
+    #: The status of the answer to a request that is not authentic.
+    refused_status: int
     #: Seconds a signed timestamp may differ from payhook's clock, either way.
     tolerance: float
     #: Seconds after an event during which the gateway may still deliver it
@@ -155,6 +193,9 @@ class Gateway(Protocol):
     def check_secret(self, secret: str) -> None:
         """`ValueError`, saying why, unless the gateway can sign with `secret`."""
 
+    def check_config(self, config: Config) -> None:
+        """`ValueError`, saying why, unless an endpoint can work with `config`."""
+
     def read_event_id(self, headers: Mapping[str, str], body: bytes) -> str | None:
         """The event id of an authentic request as the gateway sent it, for
         the ingress's log line, without parsing more; None if unreadable."""
@@ -166,10 +207,20 @@ class Gateway(Protocol):
         """A fresh event id in the gateway's format."""
 
     def sample_request(
-        self, sample: Sample, secret: str, timestamp: int
+        self,
+        samples: Sequence[Sample],
+        secret: str,
+        timestamp: int,
+        config: Config = NO_CONFIG,
     ) -> tuple[bytes, dict[str, str]]:
-        """The body and signed headers the gateway would send for `sample`;
-        `ValueError` if it cannot sign with `secret`."""
+        """The body and signed headers the gateway would send for `samples`
+        (one, unless it batches), as configured at the gateway for an
+        endpoint of `config`; `ValueError` if it cannot sign with `secret`."""
+
+    def fetcher(self, headers: Mapping[str, str], config: Config) -> Callable[[float], None] | None:
+        """None when `verify` has all it needs for this request; else a
+        blocking function, given a timeout, that fetches what it lacks (a
+        certificate) or raises `GatewayUnavailable` or `SignatureError`."""
 
     def verify(
         self,
@@ -179,20 +230,90 @@ class Gateway(Protocol):
         *,
         now: float | None,
         tolerance: float | None,
+        config: Config = NO_CONFIG,
     ) -> None:
-        """Raise a `SignatureError` unless the request is authentic.
+        """Raise a `SignatureError` unless the request is authentic: all of
+        it, every event of a batch.
 
         `tolerance=None` skips the freshness check (the consumer re-verifies a
         request the ingress already found fresh).
         """
 
+    def split(self, body: bytes) -> list[bytes] | None:
+        """None for a gateway that sends one event per request. Else the
+        events of an authentic request, each as the body of its own job (and
+        of `parse`); `MalformedEvent` if the request cannot be split, which
+        is then recorded whole, as an unreadable event."""
+
     def parse(self, headers: Mapping[str, str], body: bytes) -> Event:
-        """The normalized event of an authentic request; `MalformedEvent` if
-        unreadable, or of one of KINDS without a readable gateway timestamp."""
+        """The normalized event of an authentic request, or of one part of a
+        split one (then `headers` is empty); `MalformedEvent` if unreadable,
+        or of one of KINDS without a readable gateway timestamp."""
+
+    def complete(self, event: Event, config: Config, timeout: float) -> Event:
+        """The event with what its body only links to (its amount, its order),
+        fetched from the gateway's API; the event itself where nothing is
+        missing. `GatewayUnavailable` when the API does not answer: the job
+        is retried; the event is never applied unchecked."""
+
+    def accepted(self, delivery_ids: Sequence[str]) -> Reply:
+        """The answer once every event of the request is queued."""
 
     def unreadable_digest(self, body: bytes) -> str:
         """The digest of an authentic body `parse` refused, stable across the
         gateway's redeliveries of it, so that one is a duplicate, not a conflict."""
+
+
+class GatewayBase:
+    """What most gateways share: no settings, 401 for a request that is not
+    authentic, 202 with the delivery id once queued, one event per request,
+    nothing to fetch."""
+
+    settings: Mapping[str, Setting] = {}
+    refused_status = 401
+
+    def check_config(self, config: Config) -> None:
+        check_settings(self.settings, config)
+
+    def fetcher(self, headers: Mapping[str, str], config: Config) -> Callable[[float], None] | None:
+        return None
+
+    def split(self, body: bytes) -> list[bytes] | None:
+        return None
+
+    def complete(self, event: Event, config: Config, timeout: float) -> Event:
+        return event
+
+    def accepted(self, delivery_ids: Sequence[str]) -> Reply:
+        if len(delivery_ids) == 1:
+            return Reply(202, b'{"delivery_id": "%b"}' % delivery_ids[0].encode())
+        return Reply(202, json.dumps({"delivery_ids": list(delivery_ids)}).encode())
+
+
+def one_event(samples: Sequence[Sample]) -> Sample:
+    """The one sample of a gateway that sends one event per request."""
+    if len(samples) != 1:
+        raise ValueError("this gateway sends one event per request")
+    return samples[0]
+
+
+def check_settings(known: Mapping[str, Setting], config: Config) -> None:
+    """`ValueError` for a setting or credential the gateway does not read, one
+    given as the other, or a required one missing."""
+    for name in config.settings:
+        if name not in known:
+            raise ValueError(f"unknown setting {name!r}; expected one of {sorted(known)}")
+        if known[name].credential:
+            raise ValueError(f"{name} is a credential: give it with --credential")
+    for name in config.credentials:
+        if name not in known:
+            raise ValueError(f"unknown credential {name!r}; expected one of {sorted(known)}")
+        if not known[name].credential:
+            raise ValueError(f"{name} is a setting, not a credential: give it with --setting")
+    for name, setting in known.items():
+        given = config.credentials if setting.credential else config.settings
+        if setting.required and not given.get(name):
+            raise ValueError(f"{name} is required: {setting.help}")
 
 
 def meaning_digest(event: Event, status: object = None) -> str:

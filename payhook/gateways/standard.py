@@ -24,12 +24,16 @@ from payhook.gateways.base import (
     MAX_REFERENCE,
     MAX_SIGNATURE_HEADER,
     MAX_TEXT,
+    NO_CONFIG,
+    Config,
     Event,
+    GatewayBase,
     Sample,
     any_signature_matches,
     canonical_digest,
     check_tolerance,
     load_json_object,
+    one_event,
     raw_digest,
     require_amount,
     require_currency,
@@ -74,7 +78,7 @@ def sign(secret: str, event_id: str, timestamp: int, body: bytes) -> str:
     return "v1," + base64.b64encode(digest).decode()
 
 
-class StandardGateway:
+class StandardGateway(GatewayBase):
     name = "standard"
     signature_headers: tuple[str, ...] = ("webhook-id", "webhook-timestamp", "webhook-signature")
     tolerance: float = TOLERANCE
@@ -97,8 +101,13 @@ class StandardGateway:
         return f"msg_{uuid.uuid4().hex}"
 
     def sample_request(
-        self, sample: Sample, secret: str, timestamp: int
+        self,
+        samples: Sequence[Sample],
+        secret: str,
+        timestamp: int,
+        config: Config = NO_CONFIG,
     ) -> tuple[bytes, dict[str, str]]:
+        sample = one_event(samples)
         data: dict[str, Any] = {
             "gateway_order_id": sample.gateway_order_id,
             "amount": sample.amount,
@@ -128,6 +137,7 @@ class StandardGateway:
         *,
         now: float | None,
         tolerance: float | None = TOLERANCE,
+        config: Config = NO_CONFIG,
     ) -> None:
         event_id, timestamp, signatures = _read_headers(headers)
         check_tolerance(timestamp, now, tolerance)

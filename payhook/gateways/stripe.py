@@ -24,13 +24,17 @@ from payhook.gateways.base import (
     DAY,
     MAX_REFERENCE,
     MAX_SIGNATURE_HEADER,
+    NO_CONFIG,
+    Config,
     Event,
+    GatewayBase,
     Sample,
     any_signature_matches,
     canonical_digest,
     check_tolerance,
     load_json_object,
     meaning_digest,
+    one_event,
     raw_digest,
     require_amount,
     require_currency,
@@ -61,7 +65,7 @@ def sign(secret: str, timestamp: int, body: bytes) -> str:
     return f"t={timestamp},v1={digest.hexdigest()}"
 
 
-class StripeGateway:
+class StripeGateway(GatewayBase):
     name = "stripe"
     signature_headers: tuple[str, ...] = ("stripe-signature",)
     tolerance: float = TOLERANCE
@@ -91,8 +95,13 @@ class StripeGateway:
         return f"evt_{uuid.uuid4().hex[:24]}"
 
     def sample_request(
-        self, sample: Sample, secret: str, timestamp: int
+        self,
+        samples: Sequence[Sample],
+        secret: str,
+        timestamp: int,
+        config: Config = NO_CONFIG,
     ) -> tuple[bytes, dict[str, str]]:
+        sample = one_event(samples)
         body = _sample_body(sample)
         return body, {"stripe-signature": sign(secret, timestamp, body)}
 
@@ -112,6 +121,7 @@ class StripeGateway:
         *,
         now: float | None,
         tolerance: float | None = TOLERANCE,
+        config: Config = NO_CONFIG,
     ) -> None:
         timestamp, signatures = _read_header(headers.get("stripe-signature", ""))
         check_tolerance(timestamp, now, tolerance)

@@ -4,9 +4,9 @@ INSERT INTO payhook.tenants (id, name, fulfilment_url, signing_secret)
 VALUES (%(id)s, %(name)s, %(fulfilment_url)s, %(signing_secret)s)
 
 -- insert_endpoint --
--- A webhook endpoint of a tenant.
-INSERT INTO payhook.webhook_endpoints (tenant_id, id, gateway, secrets)
-VALUES (%(tenant_id)s, %(id)s, %(gateway)s, %(secrets)s)
+-- A webhook endpoint of a tenant, with its gateway's settings and sealed credentials.
+INSERT INTO payhook.webhook_endpoints (tenant_id, id, gateway, secrets, settings, credentials)
+VALUES (%(tenant_id)s, %(id)s, %(gateway)s, %(secrets)s, %(settings)s, %(credentials)s)
 
 -- add_endpoint_secret --
 -- Start a rotation: the new secret first, the old ones still accepted.

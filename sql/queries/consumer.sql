@@ -1,9 +1,9 @@
 -- get_endpoint --
 -- The endpoint a job names, with its tenant, gateway, active and retired
--- secrets; before its tenant is known, so through the owner's narrow
--- function (migration 0011).
-SELECT tenant_id, id, gateway, secrets, retired_secrets
-  FROM payhook.endpoint_v1(%(endpoint_id)s)
+-- secrets, settings and credentials; before its tenant is known, so through
+-- the owner's narrow function (migrations 0011, 0014).
+SELECT tenant_id, id, gateway, secrets, retired_secrets, settings, credentials
+  FROM payhook.endpoint_v2(%(endpoint_id)s)
 
 -- apply_event --
 -- Steps 1 to 7 of the consumer's transaction, in one statement: on an

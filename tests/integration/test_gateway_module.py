@@ -23,14 +23,23 @@ from control.sender import Event as SendEvent
 from control.sender import sign_event
 from payhook.errors import MalformedHeaders, PayhookError, SignatureMismatch
 from payhook.gateways import GATEWAYS, Event
-from payhook.gateways.base import Sample, canonical_digest, load_json_object, raw_digest
+from payhook.gateways.base import (
+    NO_CONFIG,
+    Config,
+    GatewayBase,
+    Sample,
+    canonical_digest,
+    load_json_object,
+    one_event,
+    raw_digest,
+)
 from payhook.horizon import minimum_receipt_retention
 from payhook.settings import Settings
 from tests.factories import TEST_KEYRING, TEST_SECRETS_KEY, Factory, Shop, envelope
 from tests.integration.test_ingress_webhooks import drain, refresh, running
 
 
-class ToyGateway:
+class ToyGateway(GatewayBase):
     """A gateway of the simplest kind: HMAC-SHA256 of the body, in hex."""
 
     name = "toy"
@@ -57,6 +66,7 @@ class ToyGateway:
         *,
         now: float | None,
         tolerance: float | None,
+        config: Config = NO_CONFIG,
     ) -> None:
         given = headers.get("toy-signature", "")
         if not given:
@@ -90,8 +100,13 @@ class ToyGateway:
         return f"toy_{uuid.uuid4().hex}"
 
     def sample_request(
-        self, sample: Sample, secret: str, timestamp: int
+        self,
+        samples: Sequence[Sample],
+        secret: str,
+        timestamp: int,
+        config: Config = NO_CONFIG,
     ) -> tuple[bytes, dict[str, str]]:
+        sample = one_event(samples)
         body = json.dumps(
             {
                 "id": sample.event_id,

@@ -14,7 +14,14 @@ RETIRED_AT = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
 
 
 def endpoint() -> Endpoint:
-    return Endpoint("e1", "t1", "standard", (ACTIVE,), retired=((RETIRED, RETIRED_AT),))
+    return Endpoint(
+        "e1",
+        "t1",
+        "standard",
+        (ACTIVE,),
+        retired=((RETIRED, RETIRED_AT),),
+        credentials={"api_token": "whsec_YWN0"},
+    )
 
 
 def test_no_repr_shows_a_secret() -> None:
@@ -27,16 +34,27 @@ def test_no_repr_shows_a_secret() -> None:
         repr(endpoint().retired),
         repr(endpoint().secrets_at(RETIRED_AT, timedelta(minutes=1))),
         repr({"endpoint": endpoint()}),
+        repr(endpoint().config),
+        repr(endpoint().credentials),
     ]
     for text in shown:
         assert "whsec" not in text and "YWN0" not in text and "cmV0" not in text, text
-    assert repr(endpoint()) == "Endpoint(id='e1', tenant_id='t1', gateway='standard')"
+    assert repr(endpoint()) == (
+        "Endpoint(id='e1', tenant_id='t1', gateway='standard', settings={})"
+    )
 
 
 def test_the_secrets_still_verify_and_compare_as_given() -> None:
     held = endpoint()
     assert held.secrets == (ACTIVE,) and held.retired == ((RETIRED, RETIRED_AT),)
-    assert held == Endpoint("e1", "t1", "standard", (ACTIVE,), ((RETIRED, RETIRED_AT),))
+    assert held == Endpoint(
+        "e1",
+        "t1",
+        "standard",
+        (ACTIVE,),
+        ((RETIRED, RETIRED_AT),),
+        credentials={"api_token": "whsec_YWN0"},
+    )
     body = b'{"type": "payment.succeeded"}'
     for secret in (ACTIVE, RETIRED):
         headers = {

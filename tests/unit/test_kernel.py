@@ -175,5 +175,5 @@ def test_envelope_rejects_what_payhook_did_not_write(data: object) -> None:
 
 def test_envelope_of_a_later_version_is_not_malformed_but_newer() -> None:
     with pytest.raises(NewerEnvelope) as raised:
-        Envelope.from_json({"v": 3, "body": "{}"})
-    assert raised.value.version == 3
+        Envelope.from_json({"v": 4, "body": "{}"})
+    assert raised.value.version == 4
