@@ -60,6 +60,9 @@ class Event:
     #: gateway that renders an event one way only, as Standard Webhooks) and
     #: for a body payhook cannot read: repeats are compared by `digest`.
     meaning: str | None = None
+    #: For a gateway whose events only link to their object (GoCardless):
+    #: that object's id, which `Gateway.complete` reads from the API.
+    links_to: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         # Field by field: `asdict` deep-copies every value, a tenth of a

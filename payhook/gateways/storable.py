@@ -38,6 +38,7 @@ TEXT_FIELDS = {
     "event_type": MAX_TEXT,
     "gateway_order_id": MAX_TEXT,
     "merchant_reference": MAX_REFERENCE,
+    "links_to": MAX_TEXT,
     "currency": MAX_TEXT,
 }
 #: How far ahead of our clock an event's time may be: gateways' clocks drift,

@@ -1,0 +1,88 @@
+"""A local fake of a gateway's REST API, for the resources events link to.
+
+`FakeApi` serves `GET /{collection}/{id}` from dictionaries, as the GoCardless
+API does (`{"payments": {...}}`), in a thread of the test process on
+127.0.0.1; consumers in other processes reach it over HTTP. It checks the
+bearer token, records every request, and can be told to fail: `fail_next`
+statuses are answered first, one per request, and `delay` holds each answer.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+
+class FakeApi:
+    def __init__(self, token: str) -> None:
+        self.token = token
+        #: Resources by collection and id.
+        self.resources: dict[str, dict[str, dict[str, Any]]] = {}
+        #: Statuses answered before any resource, one per request.
+        self.fail_next: list[int] = []
+        #: Seconds each answer waits.
+        self.delay = 0.0
+        #: (method, path, headers) of every request.
+        self.requests: list[tuple[str, str, dict[str, str]]] = []
+        self._lock = threading.Lock()
+        self._server: ThreadingHTTPServer | None = None
+
+    @property
+    def url(self) -> str:
+        assert self._server is not None
+        return f"http://127.0.0.1:{self._server.server_address[1]}"
+
+    def add(self, collection: str, resource: dict[str, Any]) -> None:
+        with self._lock:
+            self.resources.setdefault(collection, {})[resource["id"]] = resource
+
+    def answer(self, method: str, path: str, headers: dict[str, str]) -> tuple[int, bytes]:
+        with self._lock:
+            self.requests.append((method, path, headers))
+            if self.fail_next:
+                status = self.fail_next.pop(0)
+                return status, json.dumps({"error": {"code": status}}).encode()
+            if headers.get("authorization") != f"Bearer {self.token}":
+                return 401, b'{"error": {"code": 401, "message": "Invalid token"}}'
+            parts = path.strip("/").split("/")
+            found = None
+            if method == "GET" and len(parts) == 2:
+                found = self.resources.get(parts[0], {}).get(parts[1])
+            if found is None:
+                return 404, b'{"error": {"code": 404}}'
+            return 200, json.dumps({parts[0]: found}).encode()
+
+    @contextmanager
+    def running(self) -> Iterator[FakeApi]:
+        api = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                headers = {k.lower(): v for k, v in self.headers.items()}
+                status, body = api.answer("GET", self.path, headers)
+                if api.delay:
+                    time.sleep(api.delay)
+                self.send_response(status)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        thread.start()
+        try:
+            yield self
+        finally:
+            self._server.shutdown()
+            self._server.server_close()
+            thread.join(5)
