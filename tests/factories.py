@@ -17,6 +17,7 @@ from payhook.db import Row, execute
 from payhook.destinations import DestinationPolicy
 from payhook.envelope import Envelope
 from payhook.gateways import standard, stripe
+from payhook.gateways.base import NO_CONFIG, Config
 from payhook.sealing import Keyring
 from payhook.settings import Settings
 
@@ -156,7 +157,12 @@ class Factory:
     def __init__(self, conn: psycopg.Connection[Row]) -> None:
         self.conn = conn
 
-    def shop(self, gateway: str = "standard", fulfilment_url: str | None = None) -> Shop:
+    def shop(
+        self,
+        gateway: str = "standard",
+        fulfilment_url: str | None = None,
+        config: Config = NO_CONFIG,
+    ) -> Shop:
         tenant_id = admin.add_tenant(
             self.conn,
             f"shop-{uuid.uuid4().hex[:6]}",
@@ -164,7 +170,9 @@ class Factory:
             keyring=TEST_KEYRING,
             destinations=LOCAL_RECEIVERS,
         )
-        endpoint = admin.add_endpoint(self.conn, tenant_id, gateway, keyring=TEST_KEYRING)
+        endpoint = admin.add_endpoint(
+            self.conn, tenant_id, gateway, keyring=TEST_KEYRING, config=config
+        )
         return Shop(tenant_id, endpoint.endpoint_id, endpoint.secret, gateway)
 
     def order(

@@ -236,8 +236,12 @@ class AdyenGateway(GatewayBase):
             kind=kind,
             occurred_at=occurred_at,
             gateway_order_id=order_id,
+            # Adyen sends an empty reference for a payment made without one.
             merchant_reference=require_str(
-                item, "merchantReference", optional=True, limit=MAX_REFERENCE
+                {"merchantReference": item.get("merchantReference") or None},
+                "merchantReference",
+                optional=True,
+                limit=MAX_REFERENCE,
             ),
             amount_minor=require_amount(amount, "value"),
             currency=require_currency(amount, "currency"),

@@ -36,7 +36,7 @@ from payhook.gateways.base import (
 from payhook.horizon import minimum_receipt_retention
 from payhook.settings import Settings
 from tests.factories import TEST_KEYRING, TEST_SECRETS_KEY, Factory, Shop, envelope
-from tests.integration.test_ingress_webhooks import drain, refresh, running
+from tests.harness import drain, refresh, running
 
 
 class ToyGateway(GatewayBase):

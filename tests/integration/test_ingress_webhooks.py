@@ -8,36 +8,27 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import uuid
 import zlib
-from collections.abc import AsyncIterable, AsyncIterator
-from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from collections.abc import AsyncIterable
 from typing import Any, cast
 
 import httpx
 import psycopg
 import pytest
 from redis import Redis
-from rq.job import Job
-from rq.serializers import JSONSerializer
-from starlette.applications import Starlette
 from structlog.testing import capture_logs
 
-from consumer.handler import Runtime
-from consumer.main import build_worker
 from control import admin
-from ingress.app import Ingress, create_app
 from ingress.endpoints import PostgresEndpoints
-from payhook.db import create_pool
 from payhook.endpoints import Endpoint
 from payhook.envelope import Envelope
 from payhook.errors import PayhookError
 from payhook.queue import APPLY_EVENT, enqueue_event, events_queue
 from payhook.settings import Settings
-from tests.conftest import REDIS_TEST_URL, test_settings
+from tests.conftest import test_settings
 from tests.factories import TEST_KEYRING, Factory, Shop, StandardEvent, stripe_body, stripe_headers
+from tests.harness import Harness, drain, refresh, running, spare_port
 
 pytestmark = pytest.mark.anyio
 
@@ -45,80 +36,6 @@ pytestmark = pytest.mark.anyio
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
-
-
-@dataclass
-class Harness:
-    app: Starlette
-    client: httpx.AsyncClient
-    settings: Settings
-    redis: Redis
-
-    @property
-    def ingress(self) -> Ingress:
-        ingress: Ingress = self.app.state.ingress
-        return ingress
-
-    async def post(
-        self, endpoint_id: str, body: bytes | AsyncIterable[bytes], headers: dict[str, str]
-    ) -> httpx.Response:
-        return await self.client.post(f"/webhooks/{endpoint_id}", content=body, headers=headers)
-
-    def jobs(self) -> list[Job]:
-        ids = cast(list[bytes], self.redis.lrange(f"rq:queue:{self.settings.queue}", 0, -1))
-        return [Job.fetch(i.decode(), self.redis, serializer=JSONSerializer) for i in ids]
-
-
-@asynccontextmanager
-async def running(settings: Settings, **options: Any) -> AsyncIterator[Harness]:
-    app = create_app(settings, **options)
-    transport = httpx.ASGITransport(app=app)
-    redis = Redis.from_url(REDIS_TEST_URL)
-    async with (
-        app.router.lifespan_context(app),
-        httpx.AsyncClient(transport=transport, base_url="http://ingress") as client,
-    ):
-        yield Harness(app, client, settings, redis)
-    redis.close()
-
-
-@pytest.fixture
-def ingress_settings(database: str, redis_conn: Redis) -> Settings:
-    # Refreshes happen when a test asks for them, never on a timer.
-    return test_settings(database, PAYHOOK_ENDPOINT_REFRESH="1h")
-
-
-@pytest.fixture
-async def harness(ingress_settings: Settings, factory: Factory) -> AsyncIterator[Harness]:
-    async with running(ingress_settings) as harness:
-        yield harness
-
-
-def drain(settings: Settings) -> list[dict[str, Any]]:
-    """Run the consumer's RQ worker in burst mode; the results of the jobs it ran."""
-    pool = create_pool(settings, "test", size=2)
-    pool.open(wait=True)
-    redis = Redis.from_url(settings.redis_url)
-    try:
-        queued = cast(list[bytes], redis.lrange(f"rq:queue:{settings.queue}", 0, -1))
-        ids = [i.decode() for i in queued]
-        worker = build_worker(settings, Runtime(settings=settings, pool=pool))
-        worker.work(burst=True, with_scheduler=False, logging_level="WARNING")
-        jobs = [Job.fetch(i, redis, serializer=JSONSerializer) for i in ids]
-        return [cast(dict[str, Any], job.return_value()) for job in jobs]
-    finally:
-        pool.close()
-        redis.close()
-
-
-def spare_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-async def refresh(harness: Harness) -> bool:
-    return await harness.ingress.refresher.refresh()
 
 
 async def signed_event(harness: Harness, factory: Factory) -> tuple[Shop, bytes, dict[str, str]]:

@@ -22,7 +22,7 @@ from payhook.errors import DatabaseRoleError
 from payhook.settings import Settings
 from tests.conftest import PG_SERVER, test_settings
 from tests.factories import Factory, Shop, StandardEvent
-from tests.integration.test_ingress_webhooks import refresh, running
+from tests.harness import refresh, running
 
 #: Every table of schema payhook with a tenant column, and that column.
 TENANT_TABLES = {
