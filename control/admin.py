@@ -82,7 +82,7 @@ def add_endpoint(
         get_gateway(gateway).check_config(config)
     except ValueError as exc:
         raise PayhookError(f"--gateway {gateway}: {exc}") from None
-    secret = _checked_secret(gateway, secret or generate_secret(gateway))
+    secret = _checked_secret(gateway, secret or _new_secret(gateway))
     tenant_id = _uuid(tenant_id, "--tenant")
     endpoint_id = str(uuid.uuid4())
     credentials = {
@@ -120,11 +120,18 @@ def rotate_endpoint_secret(
         row = fetch_one(conn, "get_endpoint", {"endpoint_id": _uuid(endpoint_id, "endpoint")})
         if row is None:
             raise NotFound(f"no endpoint {endpoint_id}")
-        secret = _checked_secret(row["gateway"], secret or generate_secret(row["gateway"]))
+        secret = _checked_secret(row["gateway"], secret or _new_secret(row["gateway"]))
         sealed = keyring.seal(secret, endpoint_aad(str(row["tenant_id"]), str(row["id"])))
         with tenant_transaction(conn, row["tenant_id"]):
             execute(conn, "add_endpoint_secret", {"id": endpoint_id, "secret": sealed})
     return secret
+
+
+def _new_secret(gateway: str) -> str:
+    try:
+        return generate_secret(gateway)
+    except ValueError as exc:  # a gateway that assigns its own (PayPal's webhook id)
+        raise PayhookError(f"--secret: {exc}") from None
 
 
 def _checked_secret(gateway: str, secret: str) -> str:

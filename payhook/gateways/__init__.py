@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from payhook.gateways import adyen, gocardless, standard, stripe
+from payhook.gateways import adyen, gocardless, paypal, standard, stripe
 from payhook.gateways.base import KINDS, Event, Gateway
 
 #: Every gateway payhook speaks, by the name endpoints are created with.
@@ -13,6 +13,7 @@ GATEWAYS: dict[str, Gateway] = {
         stripe.StripeGateway(),
         adyen.AdyenGateway(),
         gocardless.GoCardlessGateway(),
+        paypal.PayPalGateway(),
     )
 }
 
