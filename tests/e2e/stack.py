@@ -30,6 +30,7 @@ from rq.registry import FailedJobRegistry, ScheduledJobRegistry, StartedJobRegis
 
 from control import admin
 from payhook.db import Row, connect
+from payhook.gateways.base import NO_CONFIG, Config
 from payhook.queue import events_queue
 from payhook.sealing import Keyring
 from payhook.settings import Settings
@@ -297,7 +298,7 @@ class Stack:
         with connect(self.settings, "test", owner=True) as conn:
             yield conn
 
-    def shop(self) -> Shop:
+    def shop(self, gateway: str = "standard", config: Config = NO_CONFIG) -> Shop:
         with self.db() as conn:
             keyring = Keyring.from_settings(self.settings)
             tenant_id = admin.add_tenant(
@@ -307,15 +308,24 @@ class Stack:
                 keyring=keyring,
                 destinations=LOCAL_RECEIVERS,
             )
-            endpoint = admin.add_endpoint(conn, tenant_id, "standard", keyring=keyring)
-        shop = Shop(tenant_id, endpoint.endpoint_id, endpoint.secret, "standard")
+            endpoint = admin.add_endpoint(
+                conn, tenant_id, gateway, keyring=keyring, config=config
+            )
+        shop = Shop(tenant_id, endpoint.endpoint_id, endpoint.secret, gateway)
         # The ingress learns new endpoints within PAYHOOK_ENDPOINT_REFRESH.
         time.sleep(1.0)
         return shop
 
-    def order(self, shop: Shop, ref: str, gateway_order_id: str, amount: int = 1999) -> str:
+    def order(
+        self,
+        shop: Shop,
+        ref: str,
+        gateway_order_id: str,
+        amount: int = 1999,
+        currency: str = "EUR",
+    ) -> str:
         with self.db() as conn:
-            return admin.add_order(conn, shop.tenant_id, ref, gateway_order_id, amount, "EUR")
+            return admin.add_order(conn, shop.tenant_id, ref, gateway_order_id, amount, currency)
 
     def count(self, sql: str, params: dict[str, Any] | None = None) -> int:
         with self.db() as conn:

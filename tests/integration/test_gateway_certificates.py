@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -145,7 +146,7 @@ async def test_endpoints_add_takes_the_webhook_id_and_pinned_certificates(
     factory: Factory,
     settings: Settings,
     signer: Issued,
-    tmp_path: object,
+    tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     tenant = admin.add_tenant(factory.conn, "paypal-cli", keyring=TEST_KEYRING)
