@@ -308,9 +308,7 @@ class Stack:
                 keyring=keyring,
                 destinations=LOCAL_RECEIVERS,
             )
-            endpoint = admin.add_endpoint(
-                conn, tenant_id, gateway, keyring=keyring, config=config
-            )
+            endpoint = admin.add_endpoint(conn, tenant_id, gateway, keyring=keyring, config=config)
         shop = Shop(tenant_id, endpoint.endpoint_id, endpoint.secret, gateway)
         # The ingress learns new endpoints within PAYHOOK_ENDPOINT_REFRESH.
         time.sleep(1.0)

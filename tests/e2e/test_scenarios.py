@@ -19,8 +19,13 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from control.sender import Event as SendEvent
+from control.sender import sign_event
+from payhook.gateways import adyen, gocardless
+from payhook.gateways.base import Config
 from tests.e2e.stack import Stack, running_stack
 from tests.factories import Shop, StandardEvent
+from tests.gateway_api import FakeApi
 from tests.processes import stop, wait_until
 
 # One stack for the module: its tests run on one parallel worker.
@@ -36,7 +41,12 @@ def stack() -> Iterator[Stack]:
 def send(url: str, event: StandardEvent, secret: str, *, until_2xx: bool = False) -> int:
     """POST like a gateway: the signed body; with `until_2xx`, retry until acknowledged."""
     body = event.body()
-    headers = event.headers(secret, body) | {"content-type": "application/json"}
+    return post(url, body, event.headers(secret, body), until_2xx=until_2xx)
+
+
+def post(url: str, body: bytes, headers: dict[str, str], *, until_2xx: bool = False) -> int:
+    """POST a signed request; with `until_2xx`, retry until acknowledged."""
+    headers = headers | {"content-type": "application/json"}
     deadline = time.monotonic() + 60
     while True:
         try:
@@ -289,3 +299,103 @@ def test_ingress_killed_after_enqueue_before_answering_then_retry_has_one_effect
         if event.event_id in line and '"event_applied"' in line
     )
     assert outcomes == {"applied": 1, "duplicate": 1}, "both jobs ran: the first was queued"
+
+
+# -- batched gateways -----------------------------------------------------------------
+
+GOCARDLESS_TOKEN = "e2e_read_only"
+
+
+def batch_keys(shop: Shop, event_ids: list[str]) -> set[str]:
+    return {f"{shop.tenant_id}:{event_id}:fulfil_order" for event_id in event_ids}
+
+
+def assert_one_effect_each(stack: Stack, shop: Shop, event_ids: list[str]) -> None:
+    """Per event: one receipt, transition, outbox row and fulfilment key."""
+    n = len(event_ids)
+    assert tenant_counts(stack, shop) == {
+        "receipts": n,
+        "transitions": n,
+        "outbox": n,
+        "exceptions": 0,
+        "anomalies": 0,
+    }
+    keys = [k for k in stack.receiver.keys() if k.startswith(shop.tenant_id)]
+    assert sorted(keys) == sorted(batch_keys(shop, event_ids))
+
+
+def test_duplicate_storm_of_a_batched_webhook_has_one_effect_per_event(stack: Stack) -> None:
+    """GoCardless: one signed webhook of 5 events, delivered 20 times at once
+    across both ingresses; every event's payment read from the (local) API."""
+    with FakeApi(GOCARDLESS_TOKEN).running() as api:
+        config = Config({"api_base_url": api.url}, {"access_token": GOCARDLESS_TOKEN})
+        shop = stack.shop("gocardless", config)
+        events = []
+        for i in range(5):
+            stack.order(shop, f"gc-storm-{i}", f"PM_STORM_{i}", 1999, "GBP")
+            api.add("payments", {"id": f"PM_STORM_{i}", "amount": 1999, "currency": "GBP"})
+            events.append(
+                {
+                    "id": f"EV_STORM_{i}",
+                    "created_at": "2026-12-01T10:00:00.000Z",
+                    "resource_type": "payments",
+                    "action": "confirmed",
+                    "links": {"payment": f"PM_STORM_{i}"},
+                }
+            )
+        body = json.dumps({"events": events, "meta": {"webhook_id": "WB_STORM"}}).encode()
+        headers = {"webhook-signature": gocardless.sign(shop.secret, body)}
+        with ThreadPoolExecutor(20) as pool:
+            statuses = list(
+                pool.map(lambda i: post(stack.url(shop, i % 2), body, headers), range(20))
+            )
+        assert statuses == [204] * 20
+        took = stack.settle(timeout=60)
+    ids = [str(e["id"]) for e in events]
+    wait_until(lambda: batch_keys(shop, ids) <= set(stack.receiver.keys()), 10, "the fulfilments")
+    print(f"batched duplicate storm (5 events x 20) settled in {took:.1f}s")
+    assert_one_effect_each(stack, shop, ids)
+    assert stack.failed_jobs() == 0
+
+
+def test_consumer_killed_after_commit_mid_batch_then_redelivery_has_one_effect_each(
+    stack: Stack,
+) -> None:
+    """Adyen: a notification of 3 items; the only consumer is SIGKILLed right
+    after the first item's commit, the others still queued; Adyen redelivers
+    the whole notification."""
+    shop = stack.shop("adyen")
+    samples = []
+    for i in range(3):
+        psp = f"88355112106{i:05d}"
+        stack.order(shop, f"adyen-crash-{i}", psp)
+        samples.append(psp)
+    first = SendEvent("adyen", "AUTHORISATION", samples[0], 1999, "EUR")
+    request = sign_event(first, shop.secret)
+    notification = json.loads(request.body)
+    item = notification["notificationItems"][0]["NotificationRequestItem"]
+    items = []
+    for psp in samples:
+        one = dict(item, pspReference=psp, additionalData={})
+        one["additionalData"]["hmacSignature"] = adyen.sign(shop.secret, one)
+        items.append({"NotificationRequestItem": one})
+    body = json.dumps({"live": "false", "notificationItems": items}).encode()
+
+    for proc in list(stack.consumers):
+        stop(proc)
+    stack.consumers.clear()
+    doomed = stack.start_consumer(PAYHOOK_FAULTS="consumer_kill_after_commit")
+    assert post(stack.url(shop), body, {}) == 200
+    assert doomed.wait(timeout=30) == -signal.SIGKILL
+    stop(doomed)
+    stack.consumers.remove(doomed)
+    assert tenant_counts(stack, shop)["transitions"] >= 1, "a transaction had committed"
+
+    assert post(stack.url(shop, 1), body, {}) == 200
+    for _ in range(3):
+        stack.start_consumer()
+    took = stack.settle(timeout=120)
+    ids = [f"AUTHORISATION:{psp}:true" for psp in samples]
+    wait_until(lambda: batch_keys(shop, ids) <= set(stack.receiver.keys()), 10, "the fulfilments")
+    print(f"batch after a crash mid-way settled in {took:.1f}s")
+    assert_one_effect_each(stack, shop, ids)
