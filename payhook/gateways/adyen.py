@@ -142,9 +142,9 @@ class AdyenGateway(GatewayBase):
         }
     )
     #: Adyen signs no timestamp: nothing to hold a request's age against.
-    tolerance: float = 0
+    tolerance: float | None = None
     #: Adyen retries a notification it could not deliver for up to 30 days.
-    redelivery_window: float = 31 * DAY
+    redelivery_window: float = 30 * DAY
     sample_type = "AUTHORISATION"
 
     def generate_secret(self) -> str:

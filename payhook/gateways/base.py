@@ -61,13 +61,15 @@ class Event:
     #: for a body payhook cannot read: repeats are compared by `digest`.
     meaning: str | None = None
     #: For a gateway whose events only link to their object (GoCardless):
-    #: that object's id, which `Gateway.complete` reads from the API.
+    #: that object's id, which `Gateway.complete` reads from the API before
+    #: the transaction. Not stored: the completed event names its order.
     links_to: str | None = None
 
     def to_json(self) -> dict[str, Any]:
+        """What the transaction stores and decides by (every field but `links_to`)."""
         # Field by field: `asdict` deep-copies every value, a tenth of a
         # consumer job's CPU for fields that are all strings and numbers.
-        data = {field.name: getattr(self, field.name) for field in fields(self)}
+        data = {name: getattr(self, name) for name in _STORED}
         data["occurred_at"] = self.occurred_at.isoformat() if self.occurred_at else None
         return data
 
@@ -116,6 +118,9 @@ class Event:
         if values.get("occurred_at"):
             values["occurred_at"] = datetime.fromisoformat(values["occurred_at"])
         return cls(**values)
+
+
+_STORED = tuple(f.name for f in fields(Event) if f.name != "links_to")
 
 
 @dataclass(frozen=True)
@@ -184,8 +189,13 @@ class Gateway(Protocol):
     settings: Mapping[str, Setting]
     #: The status of the answer to a request that is not authentic.
     refused_status: int
-    #: Seconds a signed timestamp may differ from payhook's clock, either way.
-    tolerance: float
+
+    @property
+    def tolerance(self) -> float | None:
+        """Seconds a signed timestamp may differ from payhook's clock, either
+        way; None for a gateway that signs no timestamp (a replay of its
+        request is a duplicate, found by the event's key)."""
+
     #: Seconds after an event during which the gateway may still deliver it
     #: (`payhook.horizon`: receipts are kept longer than the longest).
     redelivery_window: float

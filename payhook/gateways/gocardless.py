@@ -90,7 +90,7 @@ class GoCardlessGateway(GatewayBase):
     )
     refused_status = 498
     #: GoCardless signs no timestamp.
-    tolerance: float = 0
+    tolerance: float | None = None
     #: GoCardless retries a failed webhook for days, and an operator may
     #: resend one from its dashboard later.
     redelivery_window: float = 30 * DAY

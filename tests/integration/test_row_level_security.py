@@ -43,10 +43,13 @@ TENANT_TABLES = {
 CROSS_TENANT_FUNCTIONS = {
     "alert_signals_v1",
     "any_sealed_secret_v1",
+    "any_sealed_secret_v2",
     "audit_cross_tenant",
     "claim_outbox_v1",
     "endpoint_v1",
+    "endpoint_v2",
     "ingress_endpoints_v1",
+    "ingress_endpoints_v2",
     "next_outbox_due_v1",
     "operator_anomalies_v1",
     "operator_exceptions_v1",

@@ -15,6 +15,7 @@ from psycopg.types.json import Jsonb
 from structlog.testing import capture_logs
 
 from consumer import main as consumer_main
+from consumer.endpoints import EndpointCache
 from consumer.handler import Runtime, handle
 from control import admin
 from control.sealed import check_all, reseal_all
@@ -23,6 +24,7 @@ from outbox_worker import claims
 from outbox_worker.main import check_key
 from payhook.db import Row, create_pool
 from payhook.endpoints import Endpoint
+from payhook.gateways.base import Config
 from payhook.sealing import (
     Keyring,
     MissingKey,
@@ -64,8 +66,11 @@ def stored_values(conn: psycopg.Connection[Row]) -> list[str]:
     values = [
         str(r["signing_secret"]) for r in conn.execute("SELECT signing_secret FROM payhook.tenants")
     ]
-    for row in conn.execute("SELECT secrets, retired_secrets FROM payhook.webhook_endpoints"):
+    for row in conn.execute(
+        "SELECT secrets, retired_secrets, credentials FROM payhook.webhook_endpoints"
+    ):
         values += row["secrets"] + [r["secret"] for r in row["retired_secrets"]]
+        values += list(row["credentials"].values())
     return values
 
 
@@ -345,3 +350,47 @@ def test_new_key_prints_a_fresh_key_the_settings_take(settings: Settings) -> Non
     ring = Keyring.from_settings(Settings.from_env({"PAYHOOK_SECRETS_KEY": lines[0]}))
     assert ring.current == "k7"
     assert ring.open(ring.seal("whsec_x", "aad"), "aad") == "whsec_x"
+
+
+def test_credentials_are_sealed_resealed_checked_and_bound_to_their_endpoint(
+    settings: Settings, factory: Factory
+) -> None:
+    """An endpoint's API token and basic-auth password: sealed like its secret,
+    resealed by a key rotation, and unopenable once copied elsewhere."""
+    token, password = "live_gc_token_never_in_a_dump", "adyen-basic-auth-never-in-a-dump"
+    gocardless = factory.shop("gocardless", config=Config({}, {"access_token": token}))
+    adyen = factory.shop(
+        "adyen", config=Config({"basic_auth_user": "ws"}, {"basic_auth_password": password})
+    )
+    dump = pg_dump(settings)
+    assert token not in dump and password not in dump
+    assert all(value.startswith("sealed:v1:test1:") for value in stored_values(factory.conn))
+    assert check_all(factory.conn, TEST_KEYRING).by_key == {"test1": 6}
+
+    rotated = keys_settings(settings, f"{generate_key_line('k2')},{TEST_SECRETS_KEY}")
+    both = Keyring.from_settings(rotated)
+    assert reseal_all(factory.conn, both).remaining == 0
+    assert {key_id_of(v) for v in stored_values(factory.conn)} == {"k2"}
+    row = factory.conn.execute(
+        "SELECT credentials FROM payhook.webhook_endpoints WHERE id = %s",
+        (gocardless.endpoint_id,),
+    ).fetchone()
+    assert row is not None
+    cache = EndpointCache(both)
+    endpoint, _ = cache.get(factory.conn, gocardless.endpoint_id)
+    assert endpoint is not None and endpoint.credentials == {"access_token": token}
+
+    # Copied to another endpoint, under another name: neither opens.
+    factory.conn.execute(
+        "UPDATE payhook.webhook_endpoints SET credentials = %s WHERE id = %s",
+        (Jsonb({"basic_auth_password": row["credentials"]["access_token"]}), adyen.endpoint_id),
+    )
+    with capture_logs() as logs:
+        endpoint, _ = cache.get(factory.conn, adyen.endpoint_id, fresh=True)
+    assert endpoint is not None and endpoint.credentials == {}
+    assert [e["credential"] for e in logs if e["event"] == "endpoint_credential_unopenable"] == [
+        "basic_auth_password"
+    ]
+    checked = check_all(factory.conn, both)
+    assert not checked.ok
+    assert checked.failures[0].startswith(f"endpoints {adyen.endpoint_id} credential")

@@ -467,7 +467,7 @@ class TestStripe:
 
 def test_unknown_gateway_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="unknown gateway"):
-        get_gateway("paypal")
+        get_gateway("worldpay")
 
 
 def test_deeply_nested_body_is_malformed_not_a_crash() -> None:
