@@ -43,6 +43,10 @@ REASONS = {
 JSON = "application/json"
 JSON_TYPE = (b"content-type", b"application/json")
 CLOSE = ((b"connection", b"close"),)
+#: Events one request may carry: GoCardless sends up to a few hundred, Adyen
+#: fewer. More, from an authentic sender, is refused whole (413) rather than
+#: written as that many jobs in one script.
+MAX_EVENTS = 1000
 #: Fault point for tests: SIGKILL this process once a job is queued, before answering.
 FAULT_KILL_AFTER_ENQUEUE = "ingress_kill_after_enqueue"
 
@@ -175,6 +179,10 @@ async def _receive(
     # Authentic from here on. A body payhook cannot read is queued all the
     # same: the consumer records it. Only the signature headers travel.
     envelopes = _envelopes(gateway, endpoint, headers, body)
+    if len(envelopes) > MAX_EVENTS:
+        line["reason"] = "too_many_events"
+        line["events"] = len(envelopes)
+        return _error(413, "too_many_events")
     if len(envelopes) == 1 and envelopes[0].part is None:
         line["event_id"] = read_event_id(gateway, headers, body)
     else:

@@ -19,6 +19,7 @@ from consumer.handler import Runtime, handle
 from control.cli import build_parser
 from control.sender import Event as SendEvent
 from control.sender import sign_event
+from ingress.routes import MAX_EVENTS
 from payhook.envelope import Envelope, Part
 from payhook.errors import PayhookError
 from payhook.gateways import gocardless
@@ -138,6 +139,23 @@ async def test_a_gocardless_webhook_not_authentic_is_refused_whole_with_498(
     response = await harness.post(shop.endpoint_id, body, {"webhook-signature": "0" * 64})
     assert response.status_code == 498
     assert jobs(harness) == []
+
+
+async def test_a_request_of_more_events_than_any_gateway_sends_is_refused_whole(
+    harness: Harness, factory: Factory, api: FakeApi
+) -> None:
+    shop = gocardless_shop(factory, api)
+    await refresh(harness)
+    events = [{"id": f"EV{i}"} for i in range(MAX_EVENTS + 1)]
+    body = json.dumps({"events": events}).encode()
+    signature = {"webhook-signature": gocardless.sign(shop.secret, body)}
+    response = await harness.post(shop.endpoint_id, body, signature)
+    assert (response.status_code, response.json()) == (413, {"error": "too_many_events"})
+    assert jobs(harness) == []
+    body = json.dumps({"events": events[:MAX_EVENTS]}).encode()
+    signature = {"webhook-signature": gocardless.sign(shop.secret, body)}
+    assert (await harness.post(shop.endpoint_id, body, signature)).status_code == 204
+    assert len(jobs(harness)) == MAX_EVENTS
 
 
 async def test_an_event_whose_api_fails_waits_in_the_dead_letter_queue_alone(

@@ -9,7 +9,7 @@ from datetime import UTC, datetime
 import orjson
 import pytest
 
-from payhook.envelope import Envelope, MalformedJob, NewerEnvelope
+from payhook.envelope import Envelope, MalformedJob, NewerEnvelope, part_proof, part_proven
 from payhook.errors import QueryFileError, SettingsError
 from payhook.queries import all_queries, parse_queries
 from payhook.settings import Secret, Settings, parse_duration
@@ -177,3 +177,52 @@ def test_envelope_of_a_later_version_is_not_malformed_but_newer() -> None:
     with pytest.raises(NewerEnvelope) as raised:
         Envelope.from_json({"v": 4, "body": "{}"})
     assert raised.value.version == 4
+
+
+def part_envelope(**part: object) -> dict[str, object]:
+    proof = part_proof("s", ENDPOINT, REQUEST, 0, 2, b"{}")
+    fields = {"request_id": REQUEST, "index": 0, "count": 2, "proof": proof} | part
+    return {
+        "v": 3,
+        "endpoint_id": ENDPOINT,
+        "headers": {},
+        "body": "{}",
+        "received_at": "2026-12-01T10:00:00+00:00",
+        "delivery_id": "00000000-0000-4000-8000-000000000002",
+        "part": fields,
+    }
+
+
+ENDPOINT = "00000000-0000-4000-8000-000000000001"
+REQUEST = "00000000-0000-4000-8000-000000000003"
+
+
+def test_a_part_round_trips_and_its_proof_holds_only_for_its_secret_and_place() -> None:
+    envelope = Envelope.from_json(part_envelope())
+    assert envelope.part is not None and envelope.to_json()["v"] == 3
+    assert Envelope.from_json(envelope.to_json()) == envelope
+    assert part_proven(envelope, ["other", "s"])
+    assert not part_proven(envelope, ["other"])
+    moved = Envelope.from_json(part_envelope(index=1))
+    assert not part_proven(moved, ["s"])
+    single = Envelope.from_json(part_envelope() | {"v": 2})
+    assert single.part is None and not part_proven(single, ["s"])
+    assert single.to_json()["v"] == 2
+
+
+@pytest.mark.parametrize(
+    "part",
+    [
+        {"index": 2},
+        {"index": -1},
+        {"count": 0},
+        {"index": True},
+        {"proof": 5},
+        {"request_id": "not a uuid"},
+    ],
+)
+def test_a_part_payhook_did_not_write_is_malformed(part: dict[str, object]) -> None:
+    with pytest.raises(MalformedJob):
+        Envelope.from_json(part_envelope(**part))
+    with pytest.raises(MalformedJob):
+        Envelope.from_json(part_envelope() | {"part": "a string"})
