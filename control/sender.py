@@ -91,7 +91,7 @@ def sign_event(
         body, headers = gateway.sample_request(samples, secret, timestamp, config)
     except ValueError as exc:
         raise PayhookError(f"--gateway {gateway.name}: {exc}") from None
-    headers["content-type"] = "application/json"
+    headers.setdefault("content-type", "application/json")
     headers["user-agent"] = "payhook-send"
     return SignedRequest(first, body, headers, occurred)
 

@@ -79,8 +79,9 @@ def open_secrets(
 def open_credentials(
     keyring: Keyring, tenant_id: str, endpoint_id: str, values: Mapping[str, str]
 ) -> dict[str, Secret]:
-    """The stored credentials that open, by name; one that does not open is
-    left out, logged, and the gateway finds it missing."""
+    """The stored credentials, opened, by name; one that does not open is
+    logged and held empty: the gateway finds it configured, and nothing
+    matches it (a password), or it is missing (a token)."""
     opened = {}
     for name, value in values.items():
         try:
@@ -93,4 +94,5 @@ def open_credentials(
                 credential=name,
                 error=str(exc),
             )
+            opened[name] = Secret("")
     return opened

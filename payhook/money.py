@@ -57,3 +57,13 @@ def minor_units(amount: str, currency: str) -> int:
     if minor >= MAX_MINOR_UNITS:
         raise ValueError("too large an amount")
     return minor
+
+
+def decimal_string(minor: int, currency: str) -> str:
+    """`minor` units of `currency` as the gateways write them (`"10.50"`,
+    `"1050"` JPY): the reverse of `minor_units`."""
+    places = exponent(currency)
+    if places == 0:
+        return str(minor)
+    whole, fraction = divmod(minor, 10**places)
+    return f"{whole}.{fraction:0{places}d}"

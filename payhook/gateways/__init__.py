@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
-from payhook.gateways import adyen, gocardless, paypal, standard, stripe
+from payhook.gateways import (
+    adyen,
+    braintree,
+    checkout,
+    gocardless,
+    paddle,
+    paypal,
+    razorpay,
+    square,
+    standard,
+    stripe,
+)
 from payhook.gateways.base import KINDS, Event, Gateway
 
 #: Every gateway payhook speaks, by the name endpoints are created with.
@@ -14,6 +25,11 @@ GATEWAYS: dict[str, Gateway] = {
         adyen.AdyenGateway(),
         gocardless.GoCardlessGateway(),
         paypal.PayPalGateway(),
+        braintree.BraintreeGateway(),
+        square.SquareGateway(),
+        checkout.CheckoutGateway(),
+        razorpay.RazorpayGateway(),
+        paddle.PaddleGateway(),
     )
 }
 

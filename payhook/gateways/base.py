@@ -372,6 +372,18 @@ def any_signature_matches(expected: Sequence[bytes], given: Sequence[bytes]) -> 
     return found
 
 
+def iso_time(value: object) -> datetime | None:
+    """An ISO 8601 time with its UTC offset (`Z` too), as most gateways write
+    them; None for anything else."""
+    if not isinstance(value, str) or len(value) > 64:
+        return None
+    try:
+        moment = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return moment if moment.tzinfo is not None else None
+
+
 def raw_digest(body: bytes) -> str:
     """sha256 hex of the exact bytes."""
     return hashlib.sha256(body).hexdigest()

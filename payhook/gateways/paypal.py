@@ -466,17 +466,9 @@ def _capture_of_refund(resource: Mapping[str, Any]) -> str:
     raise MalformedEvent("resource.links", "expected an up link to the refunded capture")
 
 
-def _decimal(minor: int, currency: str) -> str:
-    places = money.exponent(currency)
-    if places == 0:
-        return str(minor)
-    whole, fraction = divmod(minor, 10**places)
-    return f"{whole}.{fraction:0{places}d}"
-
-
 def _sample_body(sample: Sample) -> bytes:
     currency = sample.currency.upper()
-    amount = {"currency_code": currency, "value": _decimal(sample.amount, currency)}
+    amount = {"currency_code": currency, "value": money.decimal_string(sample.amount, currency)}
     created = datetime.fromtimestamp(sample.occurred_at, UTC).isoformat().replace("+00:00", "Z")
     reference = {"custom_id": sample.merchant_reference} if sample.merchant_reference else {}
     resource: dict[str, Any]

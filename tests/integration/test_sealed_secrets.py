@@ -387,7 +387,7 @@ def test_credentials_are_sealed_resealed_checked_and_bound_to_their_endpoint(
     )
     with capture_logs() as logs:
         endpoint, _ = cache.get(factory.conn, adyen.endpoint_id, fresh=True)
-    assert endpoint is not None and endpoint.credentials == {}
+    assert endpoint is not None and endpoint.credentials == {"basic_auth_password": ""}
     assert [e["credential"] for e in logs if e["event"] == "endpoint_credential_unopenable"] == [
         "basic_auth_password"
     ]
