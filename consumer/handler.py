@@ -94,29 +94,47 @@ def handle(runtime: Runtime, data: object) -> Applied:
                 return Applied("signature_invalid")
         event, malformed = _read_event(gateway, envelope)
         structlog.contextvars.bind_contextvars(event_id=event.event_id)
+        events = [(event, malformed)]
         if malformed is not None:
             log.error("event_malformed", field=malformed.field, reason=malformed.reason)
-        elif event.kind is not None:
-            # What the event only links to, from the gateway's API, before the
+        elif event.links_to is not None:
+            # What the event only links to, from the gateway's API, before any
             # transaction; GatewayUnavailable goes to RQ: the job is retried.
-            event, malformed = _completed(runtime, gateway, endpoint, event)
-        try:
-            result = apply_with_retries(
-                conn,
-                endpoint,
-                event,
-                envelope.delivery_id,
-                retries=runtime.settings.serialization_retries,
-                forced_outcome=None if malformed is None else "malformed",
-                forced_detail=None if malformed is None else malformed.detail,
-                horizon=receipt_horizon(runtime.settings.receipt_retention),
-            )
-        except TooManyRetries as exc:
-            _count_retries(runtime, exc.attempts)
-            raise
-        _count_retries(runtime, result.retries)
-        if result.parked and result.order_id is not None:
-            replay_parked(conn, endpoint.tenant_id, result.order_id)
+            # Each event it stands for is applied in a transaction of its own,
+            # keyed by its own id: a retry after a crash between them applies
+            # the rest and finds the first a duplicate.
+            events = _completed(runtime, gateway, endpoint, event)
+        for event, malformed in events:
+            structlog.contextvars.bind_contextvars(event_id=event.event_id)
+            result = _apply(runtime, conn, endpoint, event, malformed, envelope.delivery_id)
+    return result
+
+
+def _apply(
+    runtime: Runtime,
+    conn: psycopg.Connection[Row],
+    endpoint: Endpoint,
+    event: Event,
+    malformed: MalformedEvent | None,
+    delivery_id: str,
+) -> Applied:
+    try:
+        result = apply_with_retries(
+            conn,
+            endpoint,
+            event,
+            delivery_id,
+            retries=runtime.settings.serialization_retries,
+            forced_outcome=None if malformed is None else "malformed",
+            forced_detail=None if malformed is None else malformed.detail,
+            horizon=receipt_horizon(runtime.settings.receipt_retention),
+        )
+    except TooManyRetries as exc:
+        _count_retries(runtime, exc.attempts)
+        raise
+    _count_retries(runtime, result.retries)
+    if result.parked and result.order_id is not None:
+        replay_parked(conn, endpoint.tenant_id, result.order_id)
     return result
 
 
@@ -152,15 +170,16 @@ def _verify(runtime: Runtime, gateway: Gateway, envelope: Envelope, endpoint: En
 
 def _completed(
     runtime: Runtime, gateway: Gateway, endpoint: Endpoint, event: Event
-) -> tuple[Event, MalformedEvent | None]:
-    """The event with what the gateway's API adds to it, stored as any event
-    is; what the API answered may be malformed too."""
+) -> list[tuple[Event, MalformedEvent | None]]:
+    """The events the gateway's API says `event` stands for, stored as any
+    event is; what the API answered may be malformed too, and then `event`
+    is recorded as malformed."""
     try:
         completed = gateway.complete(event, endpoint.config, runtime.settings.gateway_timeout)
-        return (event if completed is event else storable_event(completed)), None
+        return [(storable_event(e), None) for e in completed]
     except MalformedEvent as exc:
         log.error("event_malformed", field=exc.field, reason=exc.reason)
-        return event, exc
+        return [(event, exc)]
 
 
 def _read_event(gateway: Gateway, envelope: Envelope) -> tuple[Event, MalformedEvent | None]:

@@ -1,7 +1,8 @@
 """A local fake of a gateway's REST API, for the resources events link to.
 
-`FakeApi` serves `GET /{collection}/{id}` from dictionaries, as the GoCardless
-API does (`{"payments": {...}}`), in a thread of the test process on
+`FakeApi` serves `GET [/prefix]/{collection}/{id}` from dictionaries, wrapped
+as the GoCardless API does (`{"payments": {...}}`) or bare as Mollie's
+(`wrap=False`, `prefix="/v2"`), in a thread of the test process on
 127.0.0.1; consumers in other processes reach it over HTTP. It checks the
 bearer token, records every request, and can be told to fail: `fail_next`
 statuses are answered first, one per request, and `delay` holds each answer.
@@ -19,8 +20,10 @@ from typing import Any
 
 
 class FakeApi:
-    def __init__(self, token: str) -> None:
+    def __init__(self, token: str, *, wrap: bool = True, prefix: str = "") -> None:
         self.token = token
+        self.wrap = wrap
+        self.prefix = prefix
         #: Resources by collection and id.
         self.resources: dict[str, dict[str, dict[str, Any]]] = {}
         #: Statuses answered before any resource, one per request.
@@ -49,13 +52,13 @@ class FakeApi:
                 return status, json.dumps({"error": {"code": status}}).encode()
             if headers.get("authorization") != f"Bearer {self.token}":
                 return 401, b'{"error": {"code": 401, "message": "Invalid token"}}'
-            parts = path.strip("/").split("/")
+            parts = path.removeprefix(self.prefix).strip("/").split("/")
             found = None
-            if method == "GET" and len(parts) == 2:
+            if method == "GET" and len(parts) == 2 and path.startswith(self.prefix):
                 found = self.resources.get(parts[0], {}).get(parts[1])
             if found is None:
                 return 404, b'{"error": {"code": 404}}'
-            return 200, json.dumps({parts[0]: found}).encode()
+            return 200, json.dumps({parts[0]: found} if self.wrap else found).encode()
 
     @contextmanager
     def running(self) -> Iterator[FakeApi]:

@@ -7,6 +7,7 @@ from payhook.gateways import (
     braintree,
     checkout,
     gocardless,
+    mollie,
     paddle,
     paypal,
     razorpay,
@@ -30,6 +31,7 @@ GATEWAYS: dict[str, Gateway] = {
         checkout.CheckoutGateway(),
         razorpay.RazorpayGateway(),
         paddle.PaddleGateway(),
+        mollie.MollieGateway(),
     )
 }
 

@@ -263,11 +263,13 @@ class Gateway(Protocol):
         split one (then `headers` is empty); `MalformedEvent` if unreadable,
         or of one of KINDS without a readable gateway timestamp."""
 
-    def complete(self, event: Event, config: Config, timeout: float) -> Event:
-        """The event with what its body only links to (its amount, its order),
-        fetched from the gateway's API; the event itself where nothing is
-        missing. `GatewayUnavailable` when the API does not answer: the job
-        is retried; the event is never applied unchecked."""
+    def complete(self, event: Event, config: Config, timeout: float) -> list[Event]:
+        """For an event that links to its object (`links_to`): what the
+        gateway's API says of that object, as the events it stands for, in
+        the order they apply (its amount, its order; a payment's facts for a
+        Mollie webhook). Each is applied in its own transaction.
+        `GatewayUnavailable` when the API does not answer: the job is
+        retried; an event is never applied unchecked."""
 
     def accepted(self, delivery_ids: Sequence[str]) -> Reply:
         """The answer once every event of the request is queued."""
@@ -294,8 +296,8 @@ class GatewayBase:
     def split(self, body: bytes) -> list[bytes] | None:
         return None
 
-    def complete(self, event: Event, config: Config, timeout: float) -> Event:
-        return event
+    def complete(self, event: Event, config: Config, timeout: float) -> list[Event]:
+        return [event]
 
     def accepted(self, delivery_ids: Sequence[str]) -> Reply:
         if len(delivery_ids) == 1:

@@ -25,11 +25,10 @@ from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from types import MappingProxyType
 from typing import Any
-from urllib.parse import quote, urlsplit
-
-import httpx
+from urllib.parse import quote
 
 from payhook.errors import GatewayUnavailable, MalformedEvent, MalformedHeaders, SignatureMismatch
+from payhook.gateways import api
 from payhook.gateways.base import (
     DAY,
     MAX_REFERENCE,
@@ -64,8 +63,6 @@ RESOURCES = {"payments": ("payment", "payments"), "refunds": ("refund", "refunds
 #: The API version payhook reads resources in.
 API_VERSION = "2015-07-06"
 LIVE_API = "https://api.gocardless.com"
-#: Hosts an endpoint's API may be reached over plain HTTP: a local fake, in tests.
-LOCAL_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 ACCEPTED = Reply(204, b"")
 
 
@@ -187,7 +184,7 @@ class GoCardlessGateway(GatewayBase):
             links_to=object_id,
         )
 
-    def complete(self, event: Event, config: Config, timeout: float) -> Event:
+    def complete(self, event: Event, config: Config, timeout: float) -> list[Event]:
         resource_type = event.event_type.split(".", 1)[0]
         path = RESOURCES[resource_type][1]
         object_id = event.links_to
@@ -211,7 +208,7 @@ class GoCardlessGateway(GatewayBase):
             amount_minor=require_amount(resource, "amount"),
             currency=require_currency(resource, "currency"),
         )
-        return dataclasses.replace(completed, meaning=meaning_digest(completed))
+        return [dataclasses.replace(completed, meaning=meaning_digest(completed), links_to=None)]
 
     def unreadable_digest(self, body: bytes) -> str:
         try:
@@ -257,13 +254,8 @@ class GoCardlessGateway(GatewayBase):
 
 
 def api_base_url(config: Config) -> str:
-    """The endpoint's API base URL; `ValueError` unless it is https (or a local fake's)."""
-    url = config.settings.get("api_base_url") or LIVE_API
-    parts = urlsplit(url)
-    local = parts.scheme == "http" and parts.hostname in LOCAL_HOSTS
-    if not (parts.scheme == "https" or local) or not parts.hostname or parts.query:
-        raise ValueError(f"api_base_url: expected an https:// URL, got {url!r}")
-    return url.rstrip("/")
+    """The endpoint's API; `ValueError` unless it is https (or a local fake's)."""
+    return api.base_url(config, LIVE_API)
 
 
 def fetch_resource(config: Config, path: str, object_id: str, timeout: float) -> dict[str, Any]:
@@ -271,26 +263,11 @@ def fetch_resource(config: Config, path: str, object_id: str, timeout: float) ->
     token = config.credentials.get("access_token")
     if not token:
         raise GatewayUnavailable(f"{path}: the endpoint has no access_token that opens")
-    try:
-        url = f"{api_base_url(config)}/{path}/{quote(object_id, safe='')}"
-    except ValueError as exc:
-        raise GatewayUnavailable(str(exc)) from None
-    headers = {
-        "authorization": f"Bearer {token}",
-        "gocardless-version": API_VERSION,
-        "accept": "application/json",
-        "user-agent": "payhook",
-    }
-    try:
-        response = httpx.get(url, headers=headers, timeout=timeout, follow_redirects=False)
-    except httpx.HTTPError as exc:
-        raise GatewayUnavailable(f"GET /{path}/{object_id}: {exc.__class__.__name__}") from None
-    if response.status_code != 200:
-        raise GatewayUnavailable(f"GET /{path}/{object_id}: {response.status_code}")
-    try:
-        resource = response.json().get(path)
-    except (ValueError, AttributeError):
-        resource = None
+    headers = {"authorization": f"Bearer {token}", "gocardless-version": API_VERSION}
+    answer = api.get_json(
+        config, LIVE_API, f"/{path}/{quote(object_id, safe='')}", headers, timeout
+    )
+    resource = answer.get(path) if isinstance(answer, dict) else None
     if not isinstance(resource, dict):
         raise GatewayUnavailable(f"GET /{path}/{object_id}: not a {path} resource")
     return resource

@@ -109,9 +109,9 @@ def config(api: FakeApi, token: str = TOKEN) -> Config:
 
 def test_an_event_is_completed_with_its_objects_amount_from_the_api(api: FakeApi) -> None:
     confirmed, *_, refund = (GATEWAY.parse({}, part) for part in events())
-    paid = GATEWAY.complete(confirmed, config(api), 5)
+    (paid,) = GATEWAY.complete(confirmed, config(api), 5)
     assert (paid.gateway_order_id, paid.amount_minor, paid.currency) == ("PM123", 1000, "EUR")
-    refunded = GATEWAY.complete(refund, config(api), 5)
+    (refunded,) = GATEWAY.complete(refund, config(api), 5)
     assert (refunded.gateway_order_id, refunded.amount_minor) == ("PM123", 150)
     assert not refunded.cumulative and refunded.meaning != refund.meaning
     method, path, headers = api.requests[0]
@@ -128,7 +128,7 @@ def test_an_api_that_fails_leaves_the_event_unapplied_for_a_retry(
     api.fail_next = [status]
     with pytest.raises(GatewayUnavailable, match=str(status)):
         GATEWAY.complete(confirmed, config(api), 5)
-    assert GATEWAY.complete(confirmed, config(api), 5).amount_minor == 1000
+    assert GATEWAY.complete(confirmed, config(api), 5)[0].amount_minor == 1000
 
 
 def test_an_api_that_does_not_answer_in_time_or_a_wrong_token_fail_too(api: FakeApi) -> None:

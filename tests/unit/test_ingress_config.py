@@ -81,7 +81,7 @@ def test_every_gateway_that_signs_a_timestamp_has_a_tolerance() -> None:
     tolerances = {name: gateway.tolerance for name, gateway in GATEWAYS.items()}
     assert all(t is None or 0 < t <= 600 for t in tolerances.values())
     # These sign no timestamp; the others do.
-    unsigned = {"adyen", "braintree", "checkout", "gocardless", "razorpay", "square"}
+    unsigned = {"adyen", "braintree", "checkout", "gocardless", "mollie", "razorpay", "square"}
     assert {name for name, t in tolerances.items() if t is None} == unsigned
 
 
