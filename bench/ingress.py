@@ -147,8 +147,15 @@ def signed_requests(secret: str, count: int) -> list[tuple[bytes, dict[str, str]
     return requests
 
 
-def wrk_script(path: str, requests: list[tuple[bytes, dict[str, str]]], folder: Path) -> Path:
-    """A wrk Lua script cycling through the pre-signed requests, counting non-202s."""
+def wrk_script(
+    path: str,
+    requests: list[tuple[bytes, dict[str, str]]],
+    folder: Path,
+    name: str = "requests",
+    success: str = "status == 202",
+) -> Path:
+    """A wrk Lua script cycling through the pre-signed requests, counting
+    answers other than `success` (a Lua condition on `status`)."""
     lines = ["local requests = {}"]
     for body, headers in requests:
         header_table = ", ".join(f"[{_lua(k)}] = {_lua(v)}" for k, v in headers.items())
@@ -160,10 +167,10 @@ def wrk_script(path: str, requests: list[tuple[bytes, dict[str, str]]], folder: 
         "local i = 0",
         "request = function() i = i % #requests + 1; return requests[i] end",
         "local bad = 0",
-        "response = function(status) if status ~= 202 then bad = bad + 1 end end",
+        f"response = function(status) if not ({success}) then bad = bad + 1 end end",
         "done = function() io.write(string.format('non202 %d\\n', bad)) end",
     ]
-    script = folder / "requests.lua"
+    script = folder / f"{name}.lua"
     script.write_text("\n".join(lines) + "\n")
     return script
 

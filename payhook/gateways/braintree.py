@@ -17,13 +17,14 @@ from __future__ import annotations
 import base64
 import binascii
 import dataclasses
+import functools
 import hashlib
 import hmac
 import re
 import secrets as random
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
-from urllib.parse import parse_qs, urlencode
+from urllib.parse import unquote_plus, unquote_to_bytes, urlencode
 from xml.etree import ElementTree
 
 from payhook import money
@@ -71,16 +72,42 @@ def key_pair(secret: str) -> tuple[str, str]:
     return public, private
 
 
+#: The escapes a form-encoded base64 payload holds, and what they stand for.
+ESCAPES = ((b"%2B", b"+"), (b"%2F", b"/"), (b"%3D", b"="), (b"%0A", b"\n"))
+
+
 def _form(body: bytes) -> tuple[str, bytes]:
     """`bt_signature` and `bt_payload` of a form body; `MalformedHeaders` if not one."""
-    try:
-        fields = parse_qs(body.decode("ascii"), strict_parsing=True, max_num_fields=8)
-    except (UnicodeDecodeError, ValueError):
-        raise MalformedHeaders() from None
-    signature, payload = fields.get("bt_signature", []), fields.get("bt_payload", [])
-    if len(signature) != 1 or len(payload) != 1:
+    fields: dict[bytes, bytes] = {}
+    for item in body.split(b"&", 8):
+        name, sep, value = item.partition(b"=")
+        if not sep or name in fields or name not in (b"bt_signature", b"bt_payload"):
+            raise MalformedHeaders()
+        fields[name] = value
+    if len(fields) != 2:
         raise MalformedHeaders()
-    return signature[0], payload[0].encode("ascii")
+    try:
+        signature = unquote_plus(fields[b"bt_signature"].decode("ascii"), errors="strict")
+    except UnicodeDecodeError:
+        raise MalformedHeaders() from None
+    return signature, _unescape(fields[b"bt_payload"])
+
+
+def _unescape(value: bytes) -> bytes:
+    """A form-encoded payload's bytes. Base64 needs only four escapes, undone
+    with `bytes.replace` (the general decoder takes tens of microseconds for a
+    payload full of them); anything else goes to the general decoder."""
+    if b"+" in value:  # a space, which base64 never holds
+        return unquote_to_bytes(value.replace(b"+", b" "))
+    decoded = value
+    for escape, byte in ESCAPES:
+        decoded = decoded.replace(escape, byte).replace(escape.lower(), byte)
+    return unquote_to_bytes(value) if b"%" in decoded else decoded
+
+
+@functools.lru_cache(maxsize=64)
+def _hmac_key(private: str) -> bytes:
+    return hashlib.sha1(private.encode()).digest()
 
 
 class BraintreeGateway(GatewayBase):
@@ -129,13 +156,18 @@ class BraintreeGateway(GatewayBase):
                 public, private = key_pair(secret)
             except (TypeError, ValueError):
                 continue
-            key = hashlib.sha1(private.encode()).digest()
+            key = _hmac_key(private)
             for given_public, given in pairs:
                 if given_public != public:
                     continue
+                got = given.encode("ascii", "replace")
+                # As sent; failing that, as Braintree's libraries also sign
+                # it, with a last newline (which a form may have lost).
                 for content in (payload, payload + b"\n"):
                     expected = hmac.new(key, content, hashlib.sha1).hexdigest().encode()
-                    found |= hmac.compare_digest(expected, given.encode("ascii", "replace"))
+                    if hmac.compare_digest(expected, got):
+                        found = True
+                        break
         if not found:
             raise SignatureMismatch()
 
