@@ -47,6 +47,7 @@ from payhook.gateways.base import (
     Setting,
     canonical_digest,
     check_settings,
+    iso_time,
     load_json_object,
     meaning_digest,
     raw_digest,
@@ -219,7 +220,7 @@ class AdyenGateway(GatewayBase):
         event_id = f"{code}:{psp}:{success}"
         event_type = code if success == "true" else f"{code}:false"
         digest = canonical_digest(_without_signature(item))
-        occurred_at = _event_date(item)
+        occurred_at = iso_time(item.get("eventDate"))
         kind = TYPES.get((code, success))
         if kind is None:
             meaning = canonical_digest({"event_type": event_type, "object": psp})
@@ -337,17 +338,6 @@ def _without_signature(item: dict[str, Any]) -> dict[str, Any]:
         return item
     rest = {k: v for k, v in additional.items() if k != "hmacSignature"}
     return {**item, "additionalData": rest}
-
-
-def _event_date(item: Mapping[str, Any]) -> datetime | None:
-    value = item.get("eventDate")
-    if not isinstance(value, str):
-        return None
-    try:
-        moment = datetime.fromisoformat(value.replace("Z", "+00:00"))
-    except ValueError:
-        return None
-    return moment if moment.tzinfo is not None else None
 
 
 def _iso(seconds: int) -> str:

@@ -39,6 +39,7 @@ from payhook.gateways.base import (
     GatewayBase,
     Sample,
     canonical_digest,
+    iso_time,
     meaning_digest,
     one_event,
     raw_digest,
@@ -188,7 +189,7 @@ class BraintreeGateway(GatewayBase):
         entity = subject[0]
         subject_id = _text(entity, "id") or ""
         event_id = f"{kind}:{stamp}:{subject_id}"
-        occurred_at = _time(stamp)
+        occurred_at = iso_time(stamp)
         # A retry repeats the document: its digest is its bytes'.
         digest = raw_digest(xml)
         transaction = entity if entity.tag == "transaction" else entity.find("transaction")
@@ -297,15 +298,6 @@ def _text(element: ElementTree.Element, tag: str) -> str | None:
     if found is None or found.text is None or found.get("nil") == "true":
         return None
     return found.text.strip() or None
-
-
-def _time(value: str) -> datetime | None:
-    try:
-        moment = datetime.fromisoformat(value.replace("Z", "+00:00"))
-    except ValueError:
-        return None
-    # Braintree writes UTC, with its Z.
-    return moment if moment.tzinfo is not None else None
 
 
 def _escape(text: str) -> str:

@@ -42,6 +42,7 @@ from payhook.gateways.base import (
     Setting,
     canonical_digest,
     check_settings,
+    iso_time,
     load_json_object,
     meaning_digest,
     raw_digest,
@@ -153,7 +154,7 @@ class GoCardlessGateway(GatewayBase):
         action = require_str(data, "action")
         assert event_id is not None and resource_type is not None and action is not None
         event_type = f"{resource_type}.{action}"
-        occurred_at = _created_at(data)
+        occurred_at = iso_time(data.get("created_at"))
         digest = canonical_digest(data)
         links = data.get("links")
         links = links if isinstance(links, dict) else {}
@@ -271,17 +272,6 @@ def fetch_resource(config: Config, path: str, object_id: str, timeout: float) ->
     if not isinstance(resource, dict):
         raise GatewayUnavailable(f"GET /{path}/{object_id}: not a {path} resource")
     return resource
-
-
-def _created_at(data: Mapping[str, Any]) -> datetime | None:
-    value = data.get("created_at")
-    if not isinstance(value, str):
-        return None
-    try:
-        moment = datetime.fromisoformat(value.replace("Z", "+00:00"))
-    except ValueError:
-        return None
-    return moment if moment.tzinfo is not None else None
 
 
 def _iso(seconds: int) -> str:

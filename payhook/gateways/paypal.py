@@ -66,6 +66,7 @@ from payhook.gateways.base import (
     canonical_digest,
     check_settings,
     check_tolerance,
+    iso_time,
     load_json_object,
     meaning_digest,
     one_event,
@@ -312,7 +313,7 @@ class PayPalGateway(GatewayBase):
         event_type = require_str(data, "event_type")
         assert event_id is not None and event_type is not None
         digest = canonical_digest(data)
-        occurred_at = _iso_time(data.get("create_time"))
+        occurred_at = iso_time(data.get("create_time"))
         resource = data.get("resource")
         resource = resource if isinstance(resource, dict) else {}
         kind = TYPES.get(event_type)
@@ -422,7 +423,7 @@ def _checked_chain(
     verifier = (
         PolicyBuilder()
         .store(Store(list(anchors)))
-        .time(at.replace(tzinfo=None))
+        .time(at.astimezone(UTC).replace(tzinfo=None))
         .build_server_verifier(x509.DNSName(names[0]))
     )
     try:
@@ -437,20 +438,10 @@ def _valid_at(certificate: x509.Certificate, at: datetime) -> bool:
 
 
 def _transmission_time(value: str) -> datetime:
-    moment = _iso_time(value)
+    moment = iso_time(value)
     if moment is None:
         raise MalformedHeaders()
     return moment
-
-
-def _iso_time(value: object) -> datetime | None:
-    if not isinstance(value, str) or len(value) > 64:
-        return None
-    try:
-        moment = datetime.fromisoformat(value.replace("Z", "+00:00"))
-    except ValueError:
-        return None
-    return moment.astimezone(UTC) if moment.tzinfo is not None else None
 
 
 def _capture_of_refund(resource: Mapping[str, Any]) -> str:
