@@ -50,6 +50,7 @@ from payhook.gateways.base import (
     iso_time,
     load_json_object,
     meaning_digest,
+    object_meaning,
     raw_digest,
     require_amount,
     require_currency,
@@ -223,7 +224,7 @@ class AdyenGateway(GatewayBase):
         occurred_at = iso_time(item.get("eventDate"))
         kind = TYPES.get((code, success))
         if kind is None:
-            meaning = canonical_digest({"event_type": event_type, "object": psp})
+            meaning = object_meaning(event_type, psp)
             return Event.ignored(event_id, event_type, occurred_at, digest, meaning=meaning)
         if occurred_at is None:
             raise MalformedEvent("eventDate", "expected an ISO 8601 time with its offset")

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, fields
 from datetime import datetime
 from typing import Any, NamedTuple, Protocol
 
-from payhook.errors import MalformedEvent, TimestampOutOfTolerance
+from payhook.errors import MalformedEvent, MalformedHeaders, TimestampOutOfTolerance
 
 #: The event kinds payhook acts on; any other gateway type is recorded and ignored.
 KINDS = ("succeeded", "failed", "refunded", "disputed")
@@ -282,7 +282,7 @@ class Gateway(Protocol):
 class GatewayBase:
     """What most gateways share: no settings, 401 for a request that is not
     authentic, 202 with the delivery id once queued, one event per request,
-    nothing to fetch."""
+    nothing to fetch, an unreadable body digested as its bytes."""
 
     settings: Mapping[str, Setting] = {}
     refused_status = 401
@@ -298,6 +298,10 @@ class GatewayBase:
 
     def complete(self, event: Event, config: Config, timeout: float) -> list[Event]:
         return [event]
+
+    def unreadable_digest(self, body: bytes) -> str:
+        """The exact bytes', which a redelivery repeats."""
+        return raw_digest(body)
 
     def accepted(self, delivery_ids: Sequence[str]) -> Reply:
         if len(delivery_ids) == 1:
@@ -345,6 +349,43 @@ def meaning_digest(event: Event, status: object = None) -> str:
             "status": status if isinstance(status, str) else None,
         }
     )
+
+
+def object_meaning(event_type: str, object_id: object, status: object = None) -> str:
+    """The meaning of an event payhook does not act on: its type, the id of
+    the object it is about and, where the gateway gives one, its status."""
+    content: dict[str, Any] = {
+        "event_type": event_type,
+        "object": object_id if isinstance(object_id, str) else None,
+    }
+    if status is not None:
+        content["status"] = status if isinstance(status, str) else None
+    return canonical_digest(content)
+
+
+def signature_header(headers: Mapping[str, str], name: str) -> bytes:
+    """A signature header's bytes as sent (headers arrive as Latin-1);
+    `MalformedHeaders` when it is missing or over MAX_SIGNATURE_HEADER."""
+    value = headers.get(name, "")
+    if not value or len(value) > MAX_SIGNATURE_HEADER:
+        raise MalformedHeaders()
+    return value.encode("latin-1", "replace")
+
+
+def check_printable(secret: str, what: str) -> None:
+    """`ValueError` unless `secret` is printable ASCII, as gateways show them."""
+    if not secret or not (secret.isascii() and secret.isprintable()):
+        raise ValueError(f"{what} is printable ASCII")
+
+
+def json_text(body: bytes, key: str) -> str | None:
+    """`body`'s top-level string `key`, for the ingress's log line; None if
+    the body is not a JSON object with one."""
+    try:
+        value = json.loads(body).get(key)
+    except (ValueError, AttributeError, RecursionError):
+        return None
+    return value if isinstance(value, str) else None
 
 
 def canonical_digest(content: Any) -> str:

@@ -38,9 +38,9 @@ from payhook.gateways.base import (
     Event,
     GatewayBase,
     Sample,
-    canonical_digest,
     iso_time,
     meaning_digest,
+    object_meaning,
     one_event,
     raw_digest,
     require_currency,
@@ -198,7 +198,7 @@ class BraintreeGateway(GatewayBase):
         if kind == "transaction_settled" and is_credit:
             event_kind = "refunded"
         if event_kind is None or transaction is None:
-            meaning = canonical_digest({"event_type": kind, "object": subject_id})
+            meaning = object_meaning(kind, subject_id)
             return Event.ignored(event_id[:MAX_TEXT], kind, occurred_at, digest, meaning=meaning)
         if occurred_at is None:
             raise MalformedEvent("timestamp", "expected an ISO 8601 time")

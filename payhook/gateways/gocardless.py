@@ -27,12 +27,11 @@ from types import MappingProxyType
 from typing import Any
 from urllib.parse import quote
 
-from payhook.errors import GatewayUnavailable, MalformedEvent, MalformedHeaders, SignatureMismatch
+from payhook.errors import GatewayUnavailable, MalformedEvent, SignatureMismatch
 from payhook.gateways import api
 from payhook.gateways.base import (
     DAY,
     MAX_REFERENCE,
-    MAX_SIGNATURE_HEADER,
     NO_CONFIG,
     Config,
     Event,
@@ -40,15 +39,19 @@ from payhook.gateways.base import (
     Reply,
     Sample,
     Setting,
+    any_signature_matches,
     canonical_digest,
+    check_printable,
     check_settings,
     iso_time,
     load_json_object,
     meaning_digest,
+    object_meaning,
     raw_digest,
     require_amount,
     require_currency,
     require_str,
+    signature_header,
 )
 
 #: Event types payhook acts on: `{resource_type}.{action}`.
@@ -100,8 +103,7 @@ class GoCardlessGateway(GatewayBase):
         return random.token_urlsafe(32)
 
     def check_secret(self, secret: str) -> None:
-        if not secret or not (secret.isascii() and secret.isprintable()):
-            raise ValueError("a GoCardless webhook secret is printable ASCII")
+        check_printable(secret, "a GoCardless webhook secret")
 
     def check_config(self, config: Config) -> None:
         check_settings(self.settings, config)
@@ -123,16 +125,9 @@ class GoCardlessGateway(GatewayBase):
         tolerance: float | None,
         config: Config = NO_CONFIG,
     ) -> None:
-        given = headers.get("webhook-signature", "")
-        if not given or len(given) > MAX_SIGNATURE_HEADER:
-            raise MalformedHeaders()
-        # Headers arrive as Latin-1: their bytes, compared with every secret's.
-        got = given.encode("latin-1", "replace")
-        found = False
-        for secret in secrets:
-            if isinstance(secret, str) and secret:
-                found |= hmac.compare_digest(sign(secret, body).encode(), got)
-        if not found:
+        given = signature_header(headers, "webhook-signature")
+        expected = [sign(s, body).encode() for s in secrets if isinstance(s, str) and s]
+        if not any_signature_matches(expected, [given]):
             raise SignatureMismatch()
 
     def split(self, body: bytes) -> list[bytes] | None:
@@ -162,9 +157,7 @@ class GoCardlessGateway(GatewayBase):
         kind = TYPES.get(event_type)
         if kind is None:
             linked = links.get(link)
-            meaning = canonical_digest(
-                {"event_type": event_type, "object": linked if isinstance(linked, str) else None}
-            )
+            meaning = object_meaning(event_type, linked)
             return Event.ignored(event_id, event_type, occurred_at, digest, meaning=meaning)
         if occurred_at is None:
             raise MalformedEvent("created_at", "expected an ISO 8601 time")
@@ -181,7 +174,7 @@ class GoCardlessGateway(GatewayBase):
             currency=None,
             digest=digest,
             # Until `complete`, the object is all the event says.
-            meaning=canonical_digest({"event_type": event_type, "object": object_id}),
+            meaning=object_meaning(event_type, object_id),
             links_to=object_id,
         )
 

@@ -48,10 +48,12 @@ from payhook.gateways.base import (
     Setting,
     any_signature_matches,
     canonical_digest,
+    check_printable,
     check_settings,
     iso_time,
     load_json_object,
     meaning_digest,
+    object_meaning,
     one_event,
     raw_digest,
     require_currency,
@@ -103,8 +105,7 @@ class MollieGateway(GatewayBase):
         return random.token_urlsafe(32)
 
     def check_secret(self, secret: str) -> None:
-        if not secret or not (secret.isascii() and secret.isprintable()):
-            raise ValueError("a Mollie signing secret is printable ASCII")
+        check_printable(secret, "a Mollie signing secret")
 
     def check_config(self, config: Config) -> None:
         check_settings(self.settings, config)
@@ -158,7 +159,7 @@ class MollieGateway(GatewayBase):
         assert event_id is not None and event_type is not None
         digest = canonical_digest(data)
         if event_type not in EVENT_TYPES:
-            meaning = canonical_digest({"event_type": event_type, "object": data.get("entityId")})
+            meaning = object_meaning(event_type, data.get("entityId"))
             return Event.ignored(
                 event_id, event_type, iso_time(data.get("createdAt")), digest, meaning=meaning
             )
@@ -179,9 +180,6 @@ class MollieGateway(GatewayBase):
             raise MalformedEvent("entityId", "expected a payment id (tr_...)")
         payment = fetch_payment(config, payment_id, timeout)
         return payment_events(payment_id, payment)
-
-    def unreadable_digest(self, body: bytes) -> str:
-        return raw_digest(body)
 
     def sample_request(
         self,
@@ -224,7 +222,7 @@ def _trigger(event_id: str, event_type: str, payment: str, digest: str) -> Event
         amount_minor=None,
         currency=None,
         digest=digest,
-        meaning=canonical_digest({"event_type": event_type, "object": payment}),
+        meaning=object_meaning(event_type, payment),
         links_to=payment,
     )
 

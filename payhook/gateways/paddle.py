@@ -31,12 +31,14 @@ from payhook.gateways.base import (
     Sample,
     any_signature_matches,
     canonical_digest,
+    check_printable,
     check_tolerance,
     iso_time,
+    json_text,
     load_json_object,
     meaning_digest,
+    object_meaning,
     one_event,
-    raw_digest,
     require_currency,
     require_str,
 )
@@ -65,15 +67,10 @@ class PaddleGateway(GatewayBase):
         return "pdl_ntfset_" + random.token_hex(13) + "_" + random.token_urlsafe(24)
 
     def check_secret(self, secret: str) -> None:
-        if not secret or not (secret.isascii() and secret.isprintable()):
-            raise ValueError("a Paddle secret key is printable ASCII (pdl_ntfset_...)")
+        check_printable(secret, "a Paddle secret key")
 
     def read_event_id(self, headers: Mapping[str, str], body: bytes) -> str | None:
-        try:
-            value = json.loads(body).get("event_id")
-        except (ValueError, AttributeError, RecursionError):
-            return None
-        return value if isinstance(value, str) else None
+        return json_text(body, "event_id")
 
     def new_event_id(self) -> str:
         return "evt_" + random.token_hex(13)
@@ -105,10 +102,7 @@ class PaddleGateway(GatewayBase):
         obj = obj if isinstance(obj, dict) else {}
         kind, status = _kind(event_type, obj)
         if kind is None:
-            object_id = obj.get("id") if isinstance(obj.get("id"), str) else None
-            meaning = canonical_digest(
-                {"event_type": event_type, "object": object_id, "status": status}
-            )
+            meaning = object_meaning(event_type, obj.get("id"), status)
             return Event.ignored(event_id, event_type, occurred_at, digest, meaning=meaning)
         if occurred_at is None:
             raise MalformedEvent("occurred_at", "expected an ISO 8601 time")
@@ -139,9 +133,6 @@ class PaddleGateway(GatewayBase):
             digest=digest,
         )
         return dataclasses.replace(event, meaning=meaning_digest(event, status))
-
-    def unreadable_digest(self, body: bytes) -> str:
-        return raw_digest(body)
 
     def sample_request(
         self,

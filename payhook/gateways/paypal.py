@@ -67,10 +67,11 @@ from payhook.gateways.base import (
     check_settings,
     check_tolerance,
     iso_time,
+    json_text,
     load_json_object,
     meaning_digest,
+    object_meaning,
     one_event,
-    raw_digest,
     require_currency,
     require_str,
 )
@@ -223,11 +224,7 @@ class PayPalGateway(GatewayBase):
                     raise ValueError(f"{name}: {exc}") from None
 
     def read_event_id(self, headers: Mapping[str, str], body: bytes) -> str | None:
-        try:
-            value = json.loads(body).get("id")
-        except (ValueError, AttributeError, RecursionError):
-            return None
-        return value if isinstance(value, str) else None
+        return json_text(body, "id")
 
     def new_event_id(self) -> str:
         return f"WH-{random.token_hex(8).upper()}-{random.token_hex(8).upper()}"
@@ -319,12 +316,7 @@ class PayPalGateway(GatewayBase):
         kind = TYPES.get(event_type)
         if kind is None:
             object_id = resource.get("id")
-            meaning = canonical_digest(
-                {
-                    "event_type": event_type,
-                    "object": object_id if isinstance(object_id, str) else None,
-                }
-            )
+            meaning = object_meaning(event_type, object_id)
             return Event.ignored(event_id, event_type, occurred_at, digest, meaning=meaning)
         if occurred_at is None:
             raise MalformedEvent("create_time", "expected an ISO 8601 time")
@@ -363,9 +355,6 @@ class PayPalGateway(GatewayBase):
             digest=digest,
         )
         return dataclasses.replace(event, meaning=meaning_digest(event, resource.get("status")))
-
-    def unreadable_digest(self, body: bytes) -> str:
-        return raw_digest(body)
 
     def sample_request(
         self,

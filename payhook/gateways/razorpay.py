@@ -21,11 +21,10 @@ from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
-from payhook.errors import MalformedEvent, MalformedHeaders, SignatureMismatch
+from payhook.errors import MalformedEvent, SignatureMismatch
 from payhook.gateways.base import (
     DAY,
     MAX_REFERENCE,
-    MAX_SIGNATURE_HEADER,
     NO_CONFIG,
     Config,
     Event,
@@ -33,13 +32,15 @@ from payhook.gateways.base import (
     Sample,
     any_signature_matches,
     canonical_digest,
+    check_printable,
     load_json_object,
     meaning_digest,
+    object_meaning,
     one_event,
-    raw_digest,
     require_amount,
     require_currency,
     require_str,
+    signature_header,
 )
 
 TYPES = {
@@ -71,8 +72,7 @@ class RazorpayGateway(GatewayBase):
         return random.token_urlsafe(24)
 
     def check_secret(self, secret: str) -> None:
-        if not secret or not (secret.isascii() and secret.isprintable()):
-            raise ValueError("a Razorpay webhook secret is printable ASCII")
+        check_printable(secret, "a Razorpay webhook secret")
 
     def read_event_id(self, headers: Mapping[str, str], body: bytes) -> str | None:
         return headers.get("x-razorpay-event-id") or None
@@ -90,11 +90,9 @@ class RazorpayGateway(GatewayBase):
         tolerance: float | None,
         config: Config = NO_CONFIG,
     ) -> None:
-        given = headers.get("x-razorpay-signature", "")
-        if not given or len(given) > MAX_SIGNATURE_HEADER:
-            raise MalformedHeaders()
+        given = signature_header(headers, "x-razorpay-signature")
         expected = [sign(s, body).encode() for s in secrets if isinstance(s, str) and s]
-        if not any_signature_matches(expected, [given.encode("latin-1", "replace")]):
+        if not any_signature_matches(expected, [given]):
             raise SignatureMismatch()
 
     def parse(self, headers: Mapping[str, str], body: bytes) -> Event:
@@ -117,7 +115,7 @@ class RazorpayGateway(GatewayBase):
         event_id = f"{event_type}:{entity_id}"
         kind = TYPES.get(event_type)
         if kind is None:
-            meaning = canonical_digest({"event_type": event_type, "object": entity_id})
+            meaning = object_meaning(event_type, entity_id)
             return Event.ignored(event_id, event_type, occurred_at, digest, meaning=meaning)
         if occurred_at is None:
             raise MalformedEvent("created_at", "expected a Unix time in seconds")
@@ -141,9 +139,6 @@ class RazorpayGateway(GatewayBase):
             digest=digest,
         )
         return dataclasses.replace(event, meaning=meaning_digest(event, entity.get("status")))
-
-    def unreadable_digest(self, body: bytes) -> str:
-        return raw_digest(body)
 
     def sample_request(
         self,
