@@ -16,8 +16,10 @@ from pathlib import Path
 import pytest
 
 from control import admin
+from control.cli import build_parser
 from control.sender import Event as SendEvent
 from control.sender import sign_event
+from payhook.errors import PayhookError
 from payhook.gateways import GATEWAYS, checkout, paddle, razorpay, square
 from payhook.gateways.base import NO_CONFIG, Config
 from payhook.settings import Settings
@@ -308,3 +310,36 @@ async def test_the_gateways_own_sample_event_applies_then_is_a_duplicate(
     decade = dataclasses.replace(ingress_settings, receipt_retention=3653 * 86400.0)
     assert sorted(r["outcome"] for r in drain(decade)) == ["applied", "duplicate"]
     assert factory.order_state(shop, order) == ("failed" if gateway == "mollie" else "paid")
+
+
+ADD_ARGUMENTS = {
+    "braintree": ["--secret", "public_key_1:private_key_1"],
+    "square": ["--setting", "notification_url=https://shop.example/square"],
+    "checkout": ["--credential", "authorization=static-header-value"],
+    "razorpay": [],
+    "paddle": [],
+    "mollie": ["--credential", "api_key=test_abc", "--setting", "classic_webhooks=true"],
+}
+
+
+@pytest.mark.parametrize("gateway", sorted(ADD_ARGUMENTS))
+def test_endpoints_add_takes_each_gateways_settings(
+    gateway: str, factory: Factory, settings: Settings, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tenant = admin.add_tenant(factory.conn, f"{gateway}-cli", keyring=TEST_KEYRING)
+    argv = ["endpoints", "add", "--tenant", tenant, "--gateway", gateway]
+    args = build_parser().parse_args([*argv, *ADD_ARGUMENTS[gateway]])
+    assert args.func(args, settings) == 0
+    endpoint = json.loads(capsys.readouterr().out)
+    GATEWAYS[gateway].check_secret(endpoint["secret"])
+    row = factory.conn.execute(
+        "SELECT gateway, settings, credentials FROM payhook.webhook_endpoints WHERE id = %s",
+        (endpoint["endpoint_id"],),
+    ).fetchone()
+    assert row is not None and row["gateway"] == gateway
+    assert all(v.startswith("sealed:") for v in row["credentials"].values())
+    if gateway in ("square", "mollie"):
+        # Without what the gateway requires, refused, naming it.
+        bare = build_parser().parse_args(argv)
+        with pytest.raises(PayhookError, match="required"):
+            bare.func(bare, settings)
