@@ -178,11 +178,15 @@ async def _receive(
 
     # Authentic from here on. A body payhook cannot read is queued all the
     # same: the consumer records it. Only the signature headers travel.
-    envelopes = _envelopes(gateway, endpoint, headers, body)
-    if len(envelopes) > MAX_EVENTS:
+    try:
+        parts = gateway.split(body)
+    except MalformedEvent:
+        parts = None  # recorded whole, as an event that cannot be read
+    if parts is not None and len(parts) > MAX_EVENTS:
         line["reason"] = "too_many_events"
-        line["events"] = len(envelopes)
+        line["events"] = len(parts)
         return _error(413, "too_many_events")
+    envelopes = _envelopes(endpoint, headers, body, parts)
     if len(envelopes) == 1 and envelopes[0].part is None:
         line["event_id"] = read_event_id(gateway, headers, body)
     else:
@@ -205,15 +209,11 @@ async def _receive(
 
 
 def _envelopes(
-    gateway: Gateway, endpoint: Endpoint, headers: dict[str, str], body: bytes
+    endpoint: Endpoint, headers: dict[str, str], body: bytes, parts: list[bytes] | None
 ) -> list[Envelope]:
-    """The jobs of an authentic request: one, or one per event of a batch,
-    each with its proof (`payhook.envelope.part_proof`)."""
+    """The jobs of an authentic request: one, or one per event of a batch
+    (`parts`), each with its proof (`payhook.envelope.part_proof`)."""
     received_at = datetime.now(UTC)
-    try:
-        parts = gateway.split(body)
-    except MalformedEvent:
-        parts = None  # recorded whole, as an event that cannot be read
     if parts is None:
         return [Envelope(endpoint.id, body, headers, received_at, delivery_id())]
     request_id, count, secret = delivery_id(), len(parts), endpoint.secrets[0]
