@@ -12,6 +12,7 @@ from psycopg.types.json import Jsonb
 
 from payhook.db import Row, execute, fetch_one, tenant_of, tenant_transaction
 from payhook.destinations import DestinationPolicy, DestinationRefused, Resolve, resolve_host
+from payhook.endpoints import open_credentials
 from payhook.errors import NotFound, PayhookError
 from payhook.gateways import generate_secret, get_gateway, standard
 from payhook.gateways.base import NO_CONFIG, Config
@@ -141,6 +142,53 @@ def _checked_secret(gateway: str, secret: str) -> str:
     except ValueError as exc:
         raise PayhookError(f"--secret: {exc}") from None
     return secret
+
+
+def configure_endpoint(
+    conn: psycopg.Connection[Row],
+    endpoint_id: str,
+    *,
+    keyring: Keyring,
+    config: Config = NO_CONFIG,
+    unset: tuple[str, ...] = (),
+) -> dict[str, object]:
+    """Set an endpoint's settings and credentials (rotating an API token, say):
+    `config`'s are set, `unset`'s removed, the others kept; the result is
+    checked by the gateway's module. What is stored, credentials by name only."""
+    with conn.transaction():
+        row = fetch_one(conn, "get_endpoint", {"endpoint_id": _uuid(endpoint_id, "endpoint")})
+        if row is None:
+            raise NotFound(f"no endpoint {endpoint_id}")
+        tenant_id, found_id = str(row["tenant_id"]), str(row["id"])
+        gateway = get_gateway(row["gateway"])
+        unknown = [name for name in unset if name not in gateway.settings]
+        if unknown:
+            raise PayhookError(f"--unset: {row['gateway']} has no setting {unknown[0]!r}")
+        settings = {k: v for k, v in row["settings"].items() if k not in unset}
+        settings |= config.settings
+        sealed = {k: v for k, v in row["credentials"].items() if k not in unset}
+        opened: dict[str, str] = dict(open_credentials(keyring, tenant_id, found_id, sealed))
+        opened |= config.credentials
+        try:
+            gateway.check_config(Config(settings, opened))
+        except ValueError as exc:
+            raise PayhookError(f"--gateway {row['gateway']}: {exc}") from None
+        sealed |= {
+            name: keyring.seal(value, credential_aad(tenant_id, found_id, name))
+            for name, value in config.credentials.items()
+        }
+        with tenant_transaction(conn, tenant_id):
+            execute(
+                conn,
+                "set_endpoint_config",
+                {
+                    "tenant_id": tenant_id,
+                    "id": found_id,
+                    "settings": Jsonb(settings),
+                    "credentials": Jsonb(sealed),
+                },
+            )
+    return {"endpoint_id": found_id, "settings": settings, "credentials": sorted(sealed)}
 
 
 def retire_old_secrets(conn: psycopg.Connection[Row], endpoint_id: str) -> None:

@@ -124,6 +124,29 @@ def cmd_endpoints_rotate(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+def cmd_endpoints_configure(args: argparse.Namespace, settings: Settings) -> int:
+    from control.admin import configure_endpoint
+    from control.sender import named_values
+    from payhook.db import connect
+    from payhook.gateways.base import Config
+    from payhook.sealing import Keyring
+
+    config = Config(
+        named_values("--setting", args.setting or []),
+        named_values("--credential", args.credential or []),
+    )
+    with connect(settings) as conn:
+        stored = configure_endpoint(
+            conn,
+            args.endpoint,
+            keyring=Keyring.from_settings(settings),
+            config=config,
+            unset=tuple(args.unset or ()),
+        )
+    print(json.dumps(stored))
+    return 0
+
+
 def cmd_endpoints_retire(args: argparse.Namespace, settings: Settings) -> int:
     from control.admin import retire_old_secrets
     from payhook.db import connect
@@ -326,6 +349,21 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("rotate", cmd_endpoints_rotate, "add a new secret; old ones still verify", endpoints)
     p.add_argument("endpoint")
     p.add_argument("--secret", help="the new secret (generated when omitted)")
+    p = add(
+        "configure",
+        cmd_endpoints_configure,
+        "set or unset settings and credentials (rotate an API token); prints JSON",
+        endpoints,
+    )
+    p.add_argument("endpoint")
+    p.add_argument("--setting", action="append", metavar="NAME=VALUE")
+    p.add_argument(
+        "--credential",
+        action="append",
+        metavar="NAME=VALUE",
+        help="sealed at rest (VALUE - : read a line from stdin)",
+    )
+    p.add_argument("--unset", action="append", metavar="NAME", help="remove a setting")
     p = add("retire-secrets", cmd_endpoints_retire, "keep only the newest secret", endpoints)
     p.add_argument("endpoint")
 

@@ -8,6 +8,13 @@ VALUES (%(id)s, %(name)s, %(fulfilment_url)s, %(signing_secret)s)
 INSERT INTO payhook.webhook_endpoints (tenant_id, id, gateway, secrets, settings, credentials)
 VALUES (%(tenant_id)s, %(id)s, %(gateway)s, %(secrets)s, %(settings)s, %(credentials)s)
 
+-- set_endpoint_config --
+-- Replace an endpoint's settings and (sealed) credentials.
+UPDATE payhook.webhook_endpoints
+   SET settings = %(settings)s, credentials = %(credentials)s
+ WHERE tenant_id = %(tenant_id)s AND id = %(id)s
+RETURNING id
+
 -- add_endpoint_secret --
 -- Start a rotation: the new secret first, the old ones still accepted.
 UPDATE payhook.webhook_endpoints

@@ -15,6 +15,7 @@ from rq.job import Job
 from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 
+from consumer.endpoints import EndpointCache
 from consumer.handler import Runtime, handle
 from control.cli import build_parser
 from control.sender import Event as SendEvent
@@ -25,7 +26,7 @@ from payhook.errors import PayhookError
 from payhook.gateways import gocardless
 from payhook.gateways.base import Config
 from payhook.settings import Settings
-from tests.factories import Factory, Shop
+from tests.factories import TEST_KEYRING, Factory, Shop
 from tests.gateway_api import FakeApi
 from tests.harness import Harness, drain, refresh, running
 
@@ -307,3 +308,49 @@ async def test_endpoints_add_and_send_take_each_gateways_settings(
     body, headers = send(shop, "PM777", "payments.confirmed", "payments.paid_out")
     assert (await harness.post(shop.endpoint_id, body, headers)).status_code == 204
     assert sorted(r["outcome"] for r in drain(ingress_settings)) == ["already_applied", "applied"]
+
+
+def test_endpoints_configure_rotates_a_credential_and_keeps_the_rest(
+    factory: Factory, settings: Settings, capsys: pytest.CaptureFixture[str]
+) -> None:
+    shop = factory.shop(
+        "gocardless",
+        config=Config(
+            {"api_base_url": "https://api-sandbox.gocardless.com"}, {"access_token": "a"}
+        ),
+    )
+    before = factory.conn.execute(
+        "SELECT credentials FROM payhook.webhook_endpoints WHERE id = %s", (shop.endpoint_id,)
+    ).fetchone()
+    argv = ["endpoints", "configure", shop.endpoint_id, "--credential", "access_token=b"]
+    args = build_parser().parse_args(argv)
+    assert args.func(args, settings) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed == {
+        "endpoint_id": shop.endpoint_id,
+        "settings": {"api_base_url": "https://api-sandbox.gocardless.com"},
+        "credentials": ["access_token"],
+    }
+    cache = EndpointCache(TEST_KEYRING)
+    endpoint, _ = cache.get(factory.conn, shop.endpoint_id)
+    assert endpoint is not None and endpoint.credentials == {"access_token": "b"}
+    after = factory.conn.execute(
+        "SELECT credentials FROM payhook.webhook_endpoints WHERE id = %s", (shop.endpoint_id,)
+    ).fetchone()
+    assert before is not None and after is not None
+    assert after["credentials"]["access_token"] != before["credentials"]["access_token"]
+    assert after["credentials"]["access_token"].startswith("sealed:")
+    # What the gateway requires cannot be removed; an unknown name is refused.
+    for bad, message in (
+        (["--unset", "access_token"], "access_token is required"),
+        (["--unset", "webhook_url"], "no setting 'webhook_url'"),
+        (["--setting", "api_base_url=http://api.gocardless.com"], "https"),
+    ):
+        args = build_parser().parse_args(["endpoints", "configure", shop.endpoint_id, *bad])
+        with pytest.raises(PayhookError, match=message):
+            args.func(args, settings)
+    args = build_parser().parse_args(
+        ["endpoints", "configure", shop.endpoint_id, "--unset", "api_base_url"]
+    )
+    assert args.func(args, settings) == 0
+    assert json.loads(capsys.readouterr().out)["settings"] == {}
