@@ -99,6 +99,11 @@ CERT_PATH = "/v1/notifications/certs/"
 #: how many URLs are kept.
 CERT_TTL = 86400.0
 CERT_CACHE_SIZE = 64
+#: Certificate fetches one process makes at once, seconds a failed URL is not
+#: fetched again, and the locks fetches of the same URL wait on.
+MAX_FETCHES = 4
+FAILED_TTL = 60.0
+LOCK_STRIPES = 64
 #: Bytes a certificate URL's answer may hold: a chain is a few kilobytes.
 MAX_CERT_BYTES = 64 * 1024
 #: The capture a refund's `up` link names.
@@ -113,6 +118,29 @@ class CertificateCache:
         self.size = size
         self._entries: OrderedDict[str, tuple[list[x509.Certificate], float]] = OrderedDict()
         self._lock = threading.Lock()
+        #: Striped locks by URL: requests arriving together for a certificate
+        #: not yet cached wait for one fetch, not one each.
+        self._stripes = [threading.Lock() for _ in range(LOCK_STRIPES)]
+        #: URLs whose fetch failed, and when: not fetched again for FAILED_TTL.
+        self._failed: OrderedDict[str, float] = OrderedDict()
+        #: Fetches in flight at once, at most: the URL comes from a request
+        #: not yet authenticated, so anyone can make payhook fetch.
+        self.slots = threading.BoundedSemaphore(MAX_FETCHES)
+
+    def fetch_lock(self, url: str) -> threading.Lock:
+        return self._stripes[hash(url) % LOCK_STRIPES]
+
+    def failed_recently(self, url: str) -> bool:
+        with self._lock:
+            at = self._failed.get(url)
+            return at is not None and time.monotonic() - at < FAILED_TTL
+
+    def mark_failed(self, url: str) -> None:
+        with self._lock:
+            self._failed[url] = time.monotonic()
+            self._failed.move_to_end(url)
+            while len(self._failed) > 4 * self.size:
+                self._failed.popitem(last=False)
 
     def get(self, url: str) -> list[x509.Certificate] | None:
         with self._lock:
@@ -131,6 +159,7 @@ class CertificateCache:
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
+            self._failed.clear()
 
 
 #: Fetches a URL with a timeout: its status and body (replaced in tests).
@@ -236,6 +265,23 @@ class PayPalGateway(GatewayBase):
         check_cert_url(url)  # before any request is made
 
         def fetch(timeout: float) -> None:
+            cache = self.cache
+            with cache.fetch_lock(url):
+                if cache.get(url) is not None:
+                    return
+                if cache.failed_recently(url):
+                    raise GatewayUnavailable(f"{url}: failed less than {FAILED_TTL:g}s ago")
+                if not cache.slots.acquire(blocking=False):
+                    raise GatewayUnavailable(f"more than {MAX_FETCHES} certificate fetches at once")
+                try:
+                    fetch_once(timeout)
+                except GatewayUnavailable:
+                    cache.mark_failed(url)
+                    raise
+                finally:
+                    cache.slots.release()
+
+        def fetch_once(timeout: float) -> None:
             try:
                 status, body = self.fetch(url, timeout)
             except httpx.HTTPError as exc:

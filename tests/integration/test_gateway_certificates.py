@@ -4,6 +4,7 @@ fetched is a 503, for PayPal to retry."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Iterator
@@ -16,7 +17,7 @@ from control.cli import build_parser
 from control.sender import Event as SendEvent
 from control.sender import sign_event
 from payhook.errors import PayhookError
-from payhook.gateways import GATEWAYS
+from payhook.gateways import GATEWAYS, paypal
 from payhook.gateways.base import Config
 from payhook.gateways.paypal import PayPalGateway
 from payhook.settings import Settings
@@ -129,8 +130,14 @@ async def test_a_certificate_url_outside_paypal_is_401_with_no_request_made(
 
 
 async def test_a_certificate_that_cannot_be_fetched_is_503_then_accepted(
-    harness: Harness, factory: Factory, fetches: Fetches, signer: Issued, ca: Issued
+    harness: Harness,
+    factory: Factory,
+    fetches: Fetches,
+    signer: Issued,
+    ca: Issued,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    monkeypatch.setattr(paypal, "FAILED_TTL", 0.5)
     shop = paypal_shop(factory, Config({"trust_anchors": ca.pem}))
     await refresh(harness)
     fetches.status = 502
@@ -139,7 +146,12 @@ async def test_a_certificate_that_cannot_be_fetched_is_503_then_accepted(
     assert response.status_code == 503 and "retry-after" in response.headers
     assert harness.jobs() == []
     fetches.status = 200
+    # PayPal retries at once: still 503, and no second request to the URL.
+    assert (await harness.post(shop.endpoint_id, body, headers)).status_code == 503
+    assert fetches.urls == [CERT_URL]
+    await asyncio.sleep(0.6)
     assert (await harness.post(shop.endpoint_id, body, headers)).status_code == 202
+    assert fetches.urls == [CERT_URL, CERT_URL]
 
 
 async def test_endpoints_add_takes_the_webhook_id_and_pinned_certificates(

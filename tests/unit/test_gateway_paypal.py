@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import threading
 import time
 import zlib
 from datetime import UTC, datetime, timedelta
@@ -24,7 +25,7 @@ from payhook.errors import (
     UntrustedCertificate,
 )
 from payhook.gateways.base import NO_CONFIG, Config, Sample
-from payhook.gateways.paypal import CertificateCache, PayPalGateway
+from payhook.gateways.paypal import MAX_FETCHES, CertificateCache, PayPalGateway
 from tests.certificates import Issued, authority, leaf
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "paypal"
@@ -290,3 +291,51 @@ def test_the_webhook_id_is_given_never_made() -> None:
         PayPalGateway().generate_secret()
     with pytest.raises(ValueError, match="certificates"):
         PayPalGateway().check_config(Config({"certificates": "not PEM"}))
+
+
+def test_a_certificate_is_fetched_once_for_requests_arriving_together() -> None:
+    class Slow(Fetches):
+        def __call__(self, url: str, timeout: float) -> tuple[int, bytes]:
+            time.sleep(0.2)
+            return super().__call__(url, timeout)
+
+    fetches = Slow(500)
+    gateway = PayPalGateway(fetch=fetches)
+    errors: list[Exception] = []
+
+    def one() -> None:
+        fetch = gateway.fetcher({"paypal-cert-url": CERT_URL}, Config())
+        try:
+            if fetch is not None:
+                fetch(5.0)
+        except GatewayUnavailable as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    # One fetch failed; the others found it failed and made none.
+    assert fetches.urls == [CERT_URL] and len(errors) == 8
+
+
+def test_certificate_fetches_are_bounded_for_urls_anyone_can_name() -> None:
+    fetches = Fetches(500)
+    gateway = PayPalGateway(fetch=fetches)
+    url = CERT_URL + "-failing"
+    fetch = gateway.fetcher({"paypal-cert-url": url}, Config())
+    assert fetch is not None
+    with pytest.raises(GatewayUnavailable, match="500"):
+        fetch(1.0)
+    with pytest.raises(GatewayUnavailable, match="failed less than"):
+        fetch(1.0)
+    assert fetches.urls == [url]
+    # Every slot taken (fetches in flight elsewhere): refused without a request.
+    taken = [gateway.cache.slots.acquire(blocking=False) for _ in range(MAX_FETCHES)]
+    assert all(taken)
+    other = gateway.fetcher({"paypal-cert-url": CERT_URL + "-other"}, Config())
+    assert other is not None
+    with pytest.raises(GatewayUnavailable, match="at once"):
+        other(1.0)
+    assert fetches.urls == [url]
