@@ -298,6 +298,40 @@ def cmd_retention(args: argparse.Namespace, settings: Settings) -> int:
     return run(args, settings)
 
 
+def cmd_reconcile(args: argparse.Namespace, settings: Settings) -> int:
+    from datetime import timedelta
+
+    from redis import Redis
+
+    from control import reconcile
+    from payhook.db import connect
+    from payhook.sealing import Keyring
+    from payhook.settings import parse_duration
+
+    with connect(settings) as conn:
+        if args.runs:
+            for run in reconcile.runs(conn, args.endpoint, args.limit):
+                print(json.dumps(run))
+            return 0
+        since = timedelta(seconds=parse_duration("--since", args.since))
+        redis = Redis.from_url(settings.redis_url)
+        try:
+            done = reconcile.reconcile(
+                conn,
+                redis,
+                settings,
+                args.endpoint,
+                since,
+                keyring=Keyring.from_settings(settings),
+                dry_run=args.dry_run,
+                restart=args.restart,
+            )
+        finally:
+            redis.close()
+    print(json.dumps(done.to_json()))
+    return 1 if done.error else 0
+
+
 def cmd_uniqueness(args: argparse.Namespace, settings: Settings) -> int:
     from control.uniqueness_command import run
 
@@ -534,6 +568,23 @@ def build_parser() -> argparse.ArgumentParser:
         retention,
     )
     p.add_argument("--dry-run", action="store_true", help="count what would go; change nothing")
+
+    p = add(
+        "reconcile",
+        cmd_reconcile,
+        "list the endpoint's events for the window through the gateway's API and queue those "
+        "payhook acts on and has no receipt of; prints the run as JSON, exit 1 on an error",
+    )
+    p.add_argument("--endpoint", required=True)
+    p.add_argument("--since", default="72h", help="the window, back from now (default 72h)")
+    p.add_argument("--dry-run", action="store_true", help="count what is missing; queue nothing")
+    p.add_argument(
+        "--restart",
+        action="store_true",
+        help="list the window anew, rather than resume where a failed run stopped",
+    )
+    p.add_argument("--runs", action="store_true", help="print the endpoint's latest runs instead")
+    p.add_argument("--limit", type=int, default=20, help="with --runs: how many")
 
     uniqueness = commands.add_parser(
         "uniqueness", help="rows that break a unique rule before it is built"

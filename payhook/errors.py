@@ -66,6 +66,14 @@ class GatewayUnavailable(PayhookError):
     needs (a certificate, the resource an event links to): try again later."""
 
 
+class RateLimited(GatewayUnavailable):
+    """The gateway's API asked to be called again later (`429`)."""
+
+    def __init__(self, message: str, retry_after: float) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
 class DatabaseError(PayhookError):
     """PostgreSQL failed a statement."""
 

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+from urllib.parse import parse_qs, urlsplit
 
 
 class FakeApi:
@@ -73,6 +74,84 @@ class FakeApi:
                 self.send_response(status)
                 self.send_header("content-type", "application/json")
                 self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        thread.start()
+        try:
+            yield self
+        finally:
+            self._server.shutdown()
+            self._server.server_close()
+            thread.join(5)
+
+
+class FakeStripeEvents:
+    """Stripe's `GET /v1/events`, as its API pages them: newest first,
+    `created[gte]`, `limit` and `starting_after`, `has_more`. `fail_next`
+    holds (status, retry-after) answers given first, one per request."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        self.events: list[dict[str, Any]] = []
+        self.fail_next: list[tuple[int, str | None]] = []
+        #: The query of every request, parsed.
+        self.queries: list[dict[str, str]] = []
+        self._lock = threading.Lock()
+        self._server: ThreadingHTTPServer | None = None
+
+    @property
+    def url(self) -> str:
+        assert self._server is not None
+        return f"http://127.0.0.1:{self._server.server_address[1]}"
+
+    def answer(self, path: str, headers: dict[str, str]) -> tuple[int, bytes, dict[str, str]]:
+        parts = urlsplit(path)
+        query = {k: v[0] for k, v in parse_qs(parts.query).items()}
+        with self._lock:
+            self.queries.append(query)
+            if self.fail_next:
+                status, retry_after = self.fail_next.pop(0)
+                extra = {"retry-after": retry_after} if retry_after else {}
+                error = {"error": {"type": "api_error", "message": f"fake {status}"}}
+                return status, json.dumps(error).encode(), extra
+            if headers.get("authorization") != f"Bearer {self.key}" or parts.path != "/v1/events":
+                return 401, b'{"error": {"type": "invalid_request_error"}}', {}
+            since = int(query.get("created[gte]", "0"))
+            newest = sorted(self.events, key=lambda e: (e["created"], e["id"]), reverse=True)
+            listed = [e for e in newest if e["created"] >= since]
+            after = query.get("starting_after")
+            if after is not None:
+                ids = [e["id"] for e in listed]
+                listed = listed[ids.index(after) + 1 :] if after in ids else []
+            limit = int(query.get("limit", "10"))
+            page = {
+                "object": "list",
+                "url": "/v1/events",
+                "data": listed[:limit],
+                "has_more": len(listed) > limit,
+            }
+            return 200, json.dumps(page).encode(), {}
+
+    @contextmanager
+    def running(self) -> Iterator[FakeStripeEvents]:
+        api = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                headers = {k.lower(): v for k, v in self.headers.items()}
+                status, body, extra = api.answer(self.path, headers)
+                self.send_response(status)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(body)))
+                for name, value in extra.items():
+                    self.send_header(name, value)
                 self.end_headers()
                 self.wfile.write(body)
 

@@ -8,7 +8,7 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from datetime import datetime
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from payhook.errors import MalformedEvent, MalformedHeaders, TimestampOutOfTolerance
 
@@ -277,6 +277,31 @@ class Gateway(Protocol):
     def unreadable_digest(self, body: bytes) -> str:
         """The digest of an authentic body `parse` refused, stable across the
         gateway's redeliveries of it, so that one is a duplicate, not a conflict."""
+
+
+class Page(NamedTuple):
+    """Events a gateway's API listed, newest first, and whether more follow."""
+
+    events: list[dict[str, Any]]
+    more: bool
+
+
+@runtime_checkable
+class EventSource(Protocol):
+    """A gateway whose API lists its events (`payhook reconcile`)."""
+
+    def list_events(
+        self, config: Config, since: datetime, after: str | None, timeout: float
+    ) -> Page:
+        """The events created since `since`, newest first, after the event id
+        `after` (the last of the previous page); `RateLimited` or
+        `GatewayUnavailable` when the API does not answer them."""
+
+    def event_id_of(self, event: Mapping[str, Any]) -> str:
+        """The id an event listed by the API is received under."""
+
+    def acts_on(self, event: Mapping[str, Any]) -> bool:
+        """Whether payhook acts on an event of this type."""
 
 
 class GatewayBase:

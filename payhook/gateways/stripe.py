@@ -17,9 +17,19 @@ import secrets as random
 import uuid
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
+from types import MappingProxyType
 from typing import Any
 
-from payhook.errors import MalformedEvent, MalformedHeaders, SignatureMismatch
+import stripe
+
+from payhook.errors import (
+    GatewayUnavailable,
+    MalformedEvent,
+    MalformedHeaders,
+    RateLimited,
+    SignatureMismatch,
+)
+from payhook.gateways import api
 from payhook.gateways.base import (
     DAY,
     MAX_REFERENCE,
@@ -28,9 +38,12 @@ from payhook.gateways.base import (
     Config,
     Event,
     GatewayBase,
+    Page,
     Sample,
+    Setting,
     any_signature_matches,
     canonical_digest,
+    check_settings,
     check_tolerance,
     load_json_object,
     meaning_digest,
@@ -55,6 +68,30 @@ TYPES = {
 }
 
 
+#: Stripe's API, and events listed a page.
+API_BASE = "https://api.stripe.com"
+PAGE = 100
+
+
+def stripe_client(key: str, base: str, timeout: float) -> stripe.StripeClient:
+    """Stripe's client for `base`, retrying nothing on its own (`reconcile` does)."""
+    return stripe.StripeClient(
+        key,
+        base_addresses={"api": base},
+        max_network_retries=0,
+        http_client=stripe.HTTPXClient(timeout=timeout, allow_sync_methods=True),
+    )
+
+
+def _retry_after(headers: Mapping[str, str] | None) -> float:
+    """Seconds a 429 asks to wait (`Retry-After`), 1 when it does not say."""
+    value = (headers or {}).get("retry-after") or (headers or {}).get("Retry-After")
+    try:
+        return max(0.0, float(value)) if value is not None else 1.0
+    except ValueError:
+        return 1.0
+
+
 def generate_secret() -> str:
     return "whsec_" + base64.b32encode(random.token_bytes(20)).decode().lower().rstrip("=")
 
@@ -68,9 +105,58 @@ def sign(secret: str, timestamp: int, body: bytes) -> str:
 class StripeGateway(GatewayBase):
     name = "stripe"
     signature_headers: tuple[str, ...] = ("stripe-signature",)
+    settings: Mapping[str, Setting] = MappingProxyType(
+        {
+            "api_key": Setting(
+                "a restricted API key that may read events, for `payhook reconcile`",
+                credential=True,
+            ),
+            "api_base_url": Setting(f"Stripe's API (default {API_BASE})"),
+        }
+    )
     tolerance: float = TOLERANCE
     #: Stripe retries for 3 days and lets anyone list and resend an event for 30.
     redelivery_window: float = 30 * DAY
+
+    def check_config(self, config: Config) -> None:
+        check_settings(self.settings, config)
+        api.base_url(config, API_BASE)
+
+    def list_events(
+        self, config: Config, since: datetime, after: str | None, timeout: float
+    ) -> Page:
+        """`GET /v1/events` through Stripe's client: events created since
+        `since`, newest first, 100 a page."""
+        key = config.credentials.get("api_key")
+        if not key:
+            raise GatewayUnavailable("events: the endpoint has no api_key that opens")
+        try:
+            base = api.base_url(config, API_BASE)
+        except ValueError as exc:
+            raise GatewayUnavailable(str(exc)) from None
+        client = stripe_client(key, base, timeout)
+        params: dict[str, Any] = {"created": {"gte": int(since.timestamp())}, "limit": PAGE}
+        if after is not None:
+            params["starting_after"] = after
+        try:
+            page = client.v1.events.list(params=params)  # type: ignore[arg-type]
+        except stripe.RateLimitError as exc:
+            retry_after = _retry_after(exc.headers)
+            raise RateLimited(
+                f"GET /v1/events: 429, again in {retry_after:g}s", retry_after
+            ) from None
+        except stripe.StripeError as exc:
+            status = getattr(exc, "http_status", None)
+            raise GatewayUnavailable(
+                f"GET /v1/events: {status or exc.__class__.__name__}"
+            ) from None
+        return Page([event.to_dict() for event in page.data], bool(page.has_more))
+
+    def event_id_of(self, event: Mapping[str, Any]) -> str:
+        return str(event.get("id"))
+
+    def acts_on(self, event: Mapping[str, Any]) -> bool:
+        return event.get("type") in TYPES
 
     def generate_secret(self) -> str:
         return generate_secret()

@@ -37,6 +37,7 @@ TENANT_TABLES = {
     "payment_event_receipts_archive": "tenant_id",
     "uniqueness_conflicts": "tenant_id",
     "uniqueness_quarantine": "tenant_id",
+    "reconcile_runs": "tenant_id",
 }
 
 #: The functions that may read across tenants, and only these.
@@ -100,6 +101,11 @@ def populate(runtime: Runtime, factory: Factory, shop: Shop) -> None:
         "INSERT INTO payhook.uniqueness_quarantine (tenant_id, rule, table_name, key, row_data)"
         " VALUES (%s, 'rule', 'payment_orders', '[]', '{}')",
         (shop.tenant_id,),
+    )
+    conn.execute(
+        "INSERT INTO payhook.reconcile_runs (tenant_id, id, endpoint_id, window_start, window_end)"
+        " VALUES (%s, gen_random_uuid(), %s, now() - interval '1 day', now())",
+        (shop.tenant_id, shop.endpoint_id),
     )
 
 
