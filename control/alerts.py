@@ -75,6 +75,7 @@ SIGNALS = (
     "outbox_dead",
     "dead_letter_jobs",
     "quarantined_jobs",
+    "missed_events",
 )
 
 
@@ -228,6 +229,13 @@ def read_signals(
             quarantined,
             0,
             "jobs in Redis the consumers could not read, set aside (`payhook quarantine list`)",
+        ),
+        Signal(
+            "missed_events",
+            int(row["missed_events"]),
+            0,
+            "events the gateway's API listed that had never arrived, found by "
+            f"`payhook reconcile` in the last {_duration(config.window)}",
         ),
     ]
 

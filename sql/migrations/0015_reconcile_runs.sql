@@ -30,3 +30,22 @@ CREATE POLICY tenant_isolation ON payhook.reconcile_runs
     WITH CHECK (tenant_id = payhook.current_tenant());
 
 GRANT SELECT, INSERT, UPDATE ON payhook.reconcile_runs TO payhook_app;
+
+-- The alert signals (as alert_signals_v1) and `missed_events`: events that
+-- reconciliation runs started in the window found with no receipt (queued,
+-- or counted by a dry run), over every tenant.
+CREATE OR REPLACE FUNCTION payhook.alert_signals_v2(p_window float8, p_sla float8)
+RETURNS TABLE (
+    digest_conflicts bigint, rejected_jobs bigint, unmapped_events bigint,
+    late_events bigint, open_exceptions bigint, outbox_overdue bigint, outbox_dead bigint,
+    missed_events bigint)
+LANGUAGE sql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+    SELECT s.digest_conflicts, s.rejected_jobs, s.unmapped_events, s.late_events,
+           s.open_exceptions, s.outbox_overdue, s.outbox_dead,
+           (SELECT coalesce(sum(r.missing), 0)::bigint FROM payhook.reconcile_runs AS r
+             WHERE r.started_at > now() - make_interval(secs => p_window))
+      FROM payhook.alert_signals_v1(p_window, p_sla) AS s
+$$;
+
+REVOKE ALL ON FUNCTION payhook.alert_signals_v2(float8, float8) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION payhook.alert_signals_v2(float8, float8) TO payhook_app;

@@ -5,11 +5,12 @@
 -- last %(window)s seconds, unresolved exceptions of authentic events that
 -- named no order, unresolved refusals of events older than the retention
 -- horizon, every other unresolved exception, outbox rows still pending
--- %(sla)s seconds after they were written, and dead outbox rows. The owner's
--- narrow function (migration 0011), counted in payhook.cross_tenant_audit.
+-- %(sla)s seconds after they were written, dead outbox rows, and events
+-- reconciliation runs of the window found missing. The owner's narrow
+-- function (migrations 0011, 0015), counted in payhook.cross_tenant_audit.
 SELECT digest_conflicts, rejected_jobs, unmapped_events, late_events, open_exceptions,
-       outbox_overdue, outbox_dead
-  FROM payhook.alert_signals_v1(%(window)s, %(sla)s)
+       outbox_overdue, outbox_dead, missed_events
+  FROM payhook.alert_signals_v2(%(window)s, %(sla)s)
 
 
 -- limit_alert_reads --

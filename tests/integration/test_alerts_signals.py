@@ -146,6 +146,14 @@ def test_each_signal_counts_what_it_names(
     ten_minutes_ago = datetime.now(UTC) - timedelta(minutes=10)
     redis_conn.hset(waiting.key, "enqueued_at", utcformat(ten_minutes_ago))
     quarantine.move(redis_conn, settings.queue, b"\xff", "id: not a job id payhook writes")
+    # A reconciliation run that found 2 events missing; one from before the window.
+    for missing, started in ((2, "now()"), (5, "now() - interval '2 days'")):
+        conn.execute(
+            "INSERT INTO payhook.reconcile_runs"
+            " (tenant_id, id, endpoint_id, window_start, window_end, missing, started_at)"
+            f" VALUES (%s, gen_random_uuid(), %s, now(), now(), %s, {started})",
+            (shop.tenant_id, shop.endpoint_id, missing),
+        )
 
     got = values(conn, redis_conn, settings)
     assert 600 <= got.pop("queue_backlog") < 660
@@ -160,6 +168,7 @@ def test_each_signal_counts_what_it_names(
         "outbox_dead": 1,
         "dead_letter_jobs": 1,
         "quarantined_jobs": 1,
+        "missed_events": 2,
     }
     signals = read_signals(conn, redis_conn, settings, AlertSettings.from_settings(settings))
     active = {s.name for s in signals if s.active}
@@ -173,6 +182,7 @@ def test_each_signal_counts_what_it_names(
         "outbox_dead",
         "dead_letter_jobs",
         "quarantined_jobs",
+        "missed_events",
     }
     # Within PAYHOOK_ALERT_BACKLOG, a waiting job is no alert.
     patient = replace(settings, extra={**settings.extra, "PAYHOOK_ALERT_BACKLOG": "15m"})
@@ -195,6 +205,7 @@ def test_each_signal_counts_what_it_names(
         "outbox_dead",
         "dead_letter_jobs",
         "quarantined_jobs",
+        "missed_events",
     ]
 
 

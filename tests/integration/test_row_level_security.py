@@ -43,6 +43,7 @@ TENANT_TABLES = {
 #: The functions that may read across tenants, and only these.
 CROSS_TENANT_FUNCTIONS = {
     "alert_signals_v1",
+    "alert_signals_v2",
     "any_sealed_secret_v1",
     "any_sealed_secret_v2",
     "audit_cross_tenant",
