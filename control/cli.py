@@ -308,28 +308,37 @@ def cmd_reconcile(args: argparse.Namespace, settings: Settings) -> int:
     from payhook.sealing import Keyring
     from payhook.settings import parse_duration
 
+    since = timedelta(seconds=parse_duration("--since", args.since))
+    keyring = Keyring.from_settings(settings)
+    if args.scheduled:
+        return reconcile.run_scheduled(settings, since, keyring)
+    if (args.endpoint is None) == (not args.all):
+        raise PayhookError("reconcile: name --endpoint ID, or --all")
     with connect(settings) as conn:
         if args.runs:
-            for run in reconcile.runs(conn, args.endpoint, args.limit):
-                print(json.dumps(run))
+            if args.endpoint is None:
+                raise PayhookError("reconcile --runs: name the --endpoint")
+            for row in reconcile.runs(conn, args.endpoint, args.limit):
+                print(json.dumps(row))
             return 0
-        since = timedelta(seconds=parse_duration("--since", args.since))
         redis = Redis.from_url(settings.redis_url)
         try:
-            done = reconcile.reconcile(
-                conn,
-                redis,
-                settings,
-                args.endpoint,
-                since,
-                keyring=Keyring.from_settings(settings),
-                dry_run=args.dry_run,
-                restart=args.restart,
-            )
+            if args.all:
+                done = reconcile.reconcile_all(
+                    conn, redis, settings, since, keyring=keyring, dry_run=args.dry_run
+                )
+            else:
+                done = [
+                    reconcile.reconcile(
+                        conn, redis, settings, args.endpoint, since, keyring=keyring,
+                        dry_run=args.dry_run, restart=args.restart,
+                    )
+                ]  # fmt: skip
         finally:
             redis.close()
-    print(json.dumps(done.to_json()))
-    return 1 if done.error else 0
+    for run in done:
+        print(json.dumps(run.to_json()))
+    return 1 if any(run.error for run in done) else 0
 
 
 def cmd_uniqueness(args: argparse.Namespace, settings: Settings) -> int:
@@ -575,7 +584,13 @@ def build_parser() -> argparse.ArgumentParser:
         "list the endpoint's events for the window through the gateway's API and queue those "
         "payhook acts on and has no receipt of; prints the run as JSON, exit 1 on an error",
     )
-    p.add_argument("--endpoint", required=True)
+    p.add_argument("--endpoint")
+    p.add_argument("--all", action="store_true", help="every endpoint with an API key")
+    p.add_argument(
+        "--scheduled",
+        action="store_true",
+        help="--all every PAYHOOK_RECONCILE_EVERY until stopped (idle while it is unset)",
+    )
     p.add_argument("--since", default="72h", help="the window, back from now (default 72h)")
     p.add_argument("--dry-run", action="store_true", help="count what is missing; queue nothing")
     p.add_argument(

@@ -24,6 +24,8 @@ endpoint resumes from the cursor (`--restart` lists the window anew).
 from __future__ import annotations
 
 import json
+import signal
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -34,17 +36,18 @@ from typing import Any
 import psycopg
 import structlog
 from redis import Redis
+from redis.exceptions import RedisError
 
-from payhook.db import Row, execute, fetch_all, fetch_one, tenant_transaction
+from payhook.db import Row, connect, execute, fetch_all, fetch_one, tenant_transaction
 from payhook.endpoints import open_credentials, open_secrets
 from payhook.envelope import Envelope, Part, part_proof
 from payhook.errors import GatewayUnavailable, NotFound, PayhookError, RateLimited
-from payhook.gateways import get_gateway
+from payhook.gateways import GATEWAYS, get_gateway
 from payhook.gateways.base import Config, EventSource
 from payhook.gateways.storable import storable_event_id
 from payhook.queue import enqueue_event, events_queue
 from payhook.sealing import Keyring
-from payhook.settings import Settings
+from payhook.settings import Settings, positive_duration
 
 log = structlog.get_logger(__name__)
 
@@ -217,6 +220,51 @@ def _save(conn: psycopg.Connection[Row], tenant_id: str, run: Run, *, finished: 
         execute(conn, "update_reconcile_run", _row(run, tenant_id) | {"finished": finished})
 
 
+def reconcilable(conn: psycopg.Connection[Row]) -> list[str]:
+    """Every endpoint whose gateway lists its events and that has an API key."""
+    rows = fetch_all(conn, "list_endpoints")
+    return sorted(
+        str(row["id"])
+        for row in rows
+        if row["id"] is not None
+        and row["gateway"] in GATEWAYS
+        and isinstance(GATEWAYS[row["gateway"]], EventSource)
+        and "api_key" in row["credentials"]
+    )
+
+
+def reconcile_all(
+    conn: psycopg.Connection[Row],
+    redis: Redis,
+    settings: Settings,
+    since: timedelta,
+    *,
+    keyring: Keyring,
+    dry_run: bool = False,
+) -> list[Run]:
+    """One run for every endpoint that can be reconciled; one failing does not
+    stop the others."""
+    done = []
+    for endpoint_id in reconcilable(conn):
+        try:
+            done.append(
+                reconcile(
+                    conn, redis, settings, endpoint_id, since, keyring=keyring, dry_run=dry_run
+                )
+            )
+        except PayhookError as exc:
+            log.error("reconcile_failed", endpoint_id=endpoint_id, error=str(exc))
+    return done
+
+
+def every(settings: Settings) -> float | None:
+    """`PAYHOOK_RECONCILE_EVERY` in seconds; None when reconciliation is off."""
+    raw = settings.get("PAYHOOK_RECONCILE_EVERY")
+    if raw is None or raw.strip() in ("", "0", "off"):
+        return None
+    return positive_duration("PAYHOOK_RECONCILE_EVERY", raw)
+
+
 def runs(conn: psycopg.Connection[Row], endpoint_id: str, limit: int = 20) -> list[dict[str, Any]]:
     """The endpoint's latest runs, newest first."""
     row = fetch_one(conn, "get_endpoint", {"endpoint_id": endpoint_id})
@@ -229,3 +277,31 @@ def runs(conn: psycopg.Connection[Row], endpoint_id: str, limit: int = 20) -> li
             | {"id": str(r["id"])}
             for r in fetch_all(conn, "list_reconcile_runs", params)
         ]
+
+
+def run_scheduled(settings: Settings, since: timedelta, keyring: Keyring) -> int:
+    """`payhook reconcile --scheduled`: every PAYHOOK_RECONCILE_EVERY, a run
+    for every endpoint that can be reconciled, until SIGTERM or SIGINT; with
+    the setting off, idle until then (a service of compose stays up)."""
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    interval = every(settings)
+    if interval is None:
+        log.info("reconcile_off", reason="PAYHOOK_RECONCILE_EVERY is not set")
+        stop.wait()
+        return 0
+    log.info("reconcile_scheduled", every_s=interval, since_s=since.total_seconds())
+    while not stop.is_set():
+        try:
+            with connect(settings) as conn:
+                redis = Redis.from_url(settings.redis_url)
+                try:
+                    reconcile_all(conn, redis, settings, since, keyring=keyring)
+                finally:
+                    redis.close()
+        except (psycopg.Error, RedisError, OSError) as exc:
+            # The database or Redis away: the next pass tries again.
+            log.error("reconcile_pass_failed", error=f"{exc.__class__.__name__}: {exc}")
+        stop.wait(interval)
+    return 0

@@ -343,6 +343,8 @@ def run(
         for number in range(1, options.consumers + 1):
             children.append(Child(f"consumer-{number}", [*payhook, "consumer"], env, out))
         children.append(Child("outbox", [*payhook, "outbox-worker"], env, out))
+        if child_settings.get("PAYHOOK_RECONCILE_EVERY"):
+            children.append(Child("reconcile", [*payhook, "reconcile", "--scheduled"], env, out))
         dashboard_argv = [*payhook, "dashboard", "--port", str(options.dashboard_port)]
         children.append(Child("dashboard", [*dashboard_argv, "--host", "127.0.0.1"], env, out))
         for child in children:

@@ -68,6 +68,7 @@ def test_each_compose_command_starts(settings: Settings, redis_conn: Redis, tmp_
         "outbox-worker": lambda: (
             "outbox_worker_started" in (tmp_path / "outbox-worker.log").read_text()
         ),
+        "reconciler": lambda: "reconcile_off" in (tmp_path / "reconciler.log").read_text(),
     }
     running = {}
     try:

@@ -5,9 +5,11 @@ consumer's path, and arrives later as a duplicate."""
 from __future__ import annotations
 
 import json
+import signal
 import time
 from collections.abc import Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, cast
 
 import pytest
@@ -26,6 +28,7 @@ from payhook.settings import Settings
 from tests.factories import TEST_KEYRING, Factory, Shop
 from tests.gateway_api import FakeStripeEvents
 from tests.harness import Harness, drain, refresh
+from tests.processes import process_env, start, stop, wait_until
 
 pytestmark = pytest.mark.anyio
 KEY = "rk_test_reconcile"
@@ -239,3 +242,35 @@ def test_the_command_line_runs_and_lists_runs(
     args = build_parser().parse_args(["reconcile", "--endpoint", other.endpoint_id])
     with pytest.raises(Exception, match="lists no events"):
         args.func(args, settings)
+
+
+def test_all_endpoints_with_an_api_key_on_a_schedule(
+    factory: Factory,
+    shop: Shop,
+    stripe_api: FakeStripeEvents,
+    settings: Settings,
+    tmp_path: Path,
+) -> None:
+    """`payhook reconcile --scheduled` runs every PAYHOOK_RECONCILE_EVERY for
+    every endpoint that has an API key, until SIGTERM."""
+    keyless = factory.shop("stripe")
+    stripe_api.events = [stripe_event(shop, 1)]
+    assert reconcile.reconcilable(factory.conn) == [shop.endpoint_id]
+    assert keyless.endpoint_id not in reconcile.reconcilable(factory.conn)
+    env = process_env(settings, PAYHOOK_RECONCILE_EVERY="1s")
+    proc = start(["reconcile", "--scheduled", "--since", "24h"], env, tmp_path / "reconcile.log")
+    try:
+        wait_until(
+            lambda: factory.count("reconcile_runs", tenant_id=shop.tenant_id) >= 2,
+            30,
+            "two scheduled runs",
+        )
+    finally:
+        code = stop(proc, signal.SIGTERM)
+    assert code == 0, (tmp_path / "reconcile.log").read_text()
+    (first, *_) = factory.conn.execute(
+        "SELECT missing, queued, error FROM payhook.reconcile_runs WHERE tenant_id = %s"
+        " ORDER BY started_at",
+        (shop.tenant_id,),
+    ).fetchall()
+    assert first == {"missing": 1, "queued": 1, "error": None}
