@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -63,33 +63,15 @@ class FakeApi:
 
     @contextmanager
     def running(self) -> Iterator[FakeApi]:
-        api = self
+        def answer(path: str, headers: dict[str, str]) -> tuple[int, bytes, dict[str, str]]:
+            status, body = self.answer("GET", path, headers)
+            if self.delay:
+                time.sleep(self.delay)
+            return status, body, {}
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                headers = {k.lower(): v for k, v in self.headers.items()}
-                status, body = api.answer("GET", self.path, headers)
-                if api.delay:
-                    time.sleep(api.delay)
-                self.send_response(status)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, format: str, *args: Any) -> None:
-                pass
-
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        thread = threading.Thread(target=self._server.serve_forever, daemon=True)
-        thread.start()
-        try:
+        with serving(answer) as server:
+            self._server = server
             yield self
-        finally:
-            self._server.shutdown()
-            self._server.server_close()
-            thread.join(5)
 
 
 class FakeStripeEvents:
@@ -141,30 +123,42 @@ class FakeStripeEvents:
 
     @contextmanager
     def running(self) -> Iterator[FakeStripeEvents]:
-        api = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                headers = {k.lower(): v for k, v in self.headers.items()}
-                status, body, extra = api.answer(self.path, headers)
-                self.send_response(status)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(body)))
-                for name, value in extra.items():
-                    self.send_header(name, value)
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, format: str, *args: Any) -> None:
-                pass
-
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        thread = threading.Thread(target=self._server.serve_forever, daemon=True)
-        thread.start()
-        try:
+        # Looked up per request: a test may replace `answer` while it runs.
+        with serving(lambda path, headers: self.answer(path, headers)) as server:
+            self._server = server
             yield self
-        finally:
-            self._server.shutdown()
-            self._server.server_close()
-            thread.join(5)
+
+
+Answer = Callable[[str, dict[str, str]], tuple[int, bytes, dict[str, str]]]
+
+
+@contextmanager
+def serving(answer: Answer) -> Iterator[ThreadingHTTPServer]:
+    """An HTTP server on 127.0.0.1 (a free port) in a thread, answering every
+    GET with `answer(path, headers)`: status, JSON body, extra headers."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            headers = {k.lower(): v for k, v in self.headers.items()}
+            status, body, extra = answer(self.path, headers)
+            self.send_response(status)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            for name, value in extra.items():
+                self.send_header(name, value)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
