@@ -236,7 +236,7 @@ def test_up_uses_the_configured_services_and_stops_all_when_a_child_dies(
     settings: Settings, tmp_path: Path
 ) -> None:
     password = f"operators-own-{os.getpid()}"
-    env = process_env(settings, PAYHOOK_DASHBOARD_PASSWORD=password)
+    env = process_env(settings, PAYHOOK_DASHBOARD_PASSWORD=password, PAYHOOK_RECONCILE_EVERY="1h")
     up, log = start_up(
         ["--port", str(free_port()), "--dashboard-port", str(free_port()), "--consumers", "1"],
         env,
@@ -251,6 +251,8 @@ def test_up_uses_the_configured_services_and_stops_all_when_a_child_dies(
         assert f"Redis: REDIS_URL ({settings.redis_url})" in text
         assert not (tmp_path / ".payhook").exists()
         children = psutil.Process(up.pid).children(recursive=True)
+        # With PAYHOOK_RECONCILE_EVERY, reconciliation runs on its schedule too.
+        assert any("reconcile --scheduled" in " ".join(c.cmdline()) for c in children)
         [outbox] = [c for c in children if "outbox-worker" in " ".join(c.cmdline())]
         outbox.kill()
         assert up.wait(timeout=60) == 1
