@@ -12,7 +12,14 @@ from control.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 #: The payhook services and how many of each compose runs.
-REPLICAS = {"migrate": 1, "ingress": 2, "consumer": 3, "outbox-worker": 2, "dashboard": 1}
+REPLICAS = {
+    "migrate": 1,
+    "ingress": 2,
+    "consumer": 3,
+    "outbox-worker": 2,
+    "reconciler": 1,
+    "dashboard": 1,
+}
 
 
 def compose() -> dict[str, Any]:
