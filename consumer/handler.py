@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -19,6 +20,7 @@ from payhook.db import Pool, Row, execute, pooled_connection, tenant_transaction
 from payhook.endpoints import Endpoint
 from payhook.envelope import Envelope, MalformedJob, NewerEnvelope, part_proven
 from payhook.errors import MalformedEvent, SignatureError, SignatureMismatch
+from payhook.flow import RECEIPT_TO_COMMIT, FlowRecorder
 from payhook.gateways import Event, Gateway, get_gateway
 from payhook.gateways.base import raw_digest
 from payhook.gateways.storable import (
@@ -48,9 +50,12 @@ class Runtime:
     redis: Redis | None = None
     #: Endpoints, their secrets opened with the settings' keys.
     endpoints: EndpointCache = field(init=False)
+    #: Receipt-to-commit times, added to Redis for `/metrics` (`payhook.flow`).
+    flow: FlowRecorder = field(init=False)
 
     def __post_init__(self) -> None:
         self.endpoints = EndpointCache(Keyring.from_settings(self.settings))
+        self.flow = FlowRecorder(RECEIPT_TO_COMMIT)
 
 
 def handle(runtime: Runtime, data: object) -> Applied:
@@ -107,6 +112,10 @@ def handle(runtime: Runtime, data: object) -> Applied:
         for event, malformed in events:
             structlog.contextvars.bind_contextvars(event_id=event.event_id)
             result = _apply(runtime, conn, endpoint, event, malformed, envelope.delivery_id)
+            if result.outcome != "duplicate":
+                waited = time.time() - envelope.received_at.timestamp()
+                runtime.flow.observe(gateway.name, waited)
+    runtime.flow.flush_due(runtime.redis)
     return result
 
 

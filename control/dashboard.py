@@ -80,6 +80,7 @@ from werkzeug.exceptions import HTTPException, MethodNotAllowed
 from werkzeug.serving import make_server
 
 from control.alerts import AlertCollector, AlertSettings, AlertsUnavailable, Signal, read_signals
+from control.flow_metrics import FlowCollector
 from control.operations import (
     NotRequeueable,
     fetch_job,
@@ -269,6 +270,7 @@ def create_app(settings: Settings, user: str, password: str) -> Flask:
 
     metrics = CollectorRegistry(auto_describe=False)
     metrics.register(AlertCollector(read_alerts))
+    metrics.register(FlowCollector(redis, settings))
 
     @app.before_request
     def guard() -> Response | None:

@@ -48,6 +48,9 @@ class Claim:
     signing_secret: Secret | None
     #: Why the tenant's sealed secret did not open (names the key, never the secret).
     secret_error: str | None = None
+    #: When the row was written (its event's commit), and the event's gateway.
+    created_at: datetime | None = None
+    gateway: str | None = None
 
     @property
     def idempotency_key(self) -> str:
@@ -130,4 +133,6 @@ def _claim(row: Row, keyring: Keyring) -> Claim:
         fulfilment_url=row["fulfilment_url"],
         signing_secret=Secret(secret) if secret is not None else None,
         secret_error=error,
+        created_at=row.get("created_at"),
+        gateway=row.get("gateway"),
     )

@@ -25,6 +25,7 @@ import httpx
 import psycopg
 import structlog
 from psycopg import sql
+from redis import Redis
 from structlog.typing import FilteringBoundLogger
 
 from outbox_worker import claims
@@ -34,6 +35,7 @@ from outbox_worker.config import OutboxSettings
 from outbox_worker.deadline import within
 from outbox_worker.handlers import Outcome, deliver
 from payhook.db import Pool, Row, pooled_connection
+from payhook.flow import COMMIT_TO_DELIVERY, FlowRecorder
 from payhook.sealing import Keyring
 
 log = structlog.get_logger(__name__)
@@ -65,8 +67,12 @@ class Worker:
         keyring: Keyring,
         listen: Connect | None = None,
         deliver: Deliver = deliver,
+        redis: Redis | None = None,
     ) -> None:
         self.pool = pool
+        #: Commit-to-delivery times, added to Redis for `/metrics` (`payhook.flow`).
+        self.flow = FlowRecorder(COMMIT_TO_DELIVERY)
+        self.redis = redis
         #: Opens tenants' sealed signing secrets.
         self.keyring = keyring
         self.client = client
@@ -96,6 +102,7 @@ class Worker:
             self.wake.clear()
             try:
                 claimed = self.run_batch()
+                self.flow.flush_due(self.redis)
                 if not claimed:
                     self._idle_wait()
                 failures = 0
@@ -185,6 +192,9 @@ class Worker:
                 if outcome.kind == "delivered":
                     claims.mark_delivered(conn, claim)
                     dlog.info("outbox_delivered")
+                    if claim.created_at is not None:
+                        waited = time.time() - claim.created_at.timestamp()
+                        self.flow.observe(claim.gateway or "unknown", waited)
                 elif outcome.kind == "retry" and claim.attempts < self.config.max_attempts:
                     delay = retry_delay(
                         claim.attempts,

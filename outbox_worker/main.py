@@ -13,6 +13,7 @@ from typing import TypeVar
 import httpx
 import psycopg
 import structlog
+from redis import Redis
 
 from outbox_worker import deadline, egress
 from outbox_worker.config import OutboxSettings
@@ -96,7 +97,12 @@ def run(settings: Settings, once: bool = False) -> int:
     def listen() -> psycopg.Connection[Row]:
         return connect(settings, "outbox-listen")
 
-    worker = Worker(pool, client, config, keyring=keyring, listen=None if once else listen)
+    # Only for the commit-to-delivery histogram (`payhook.flow`): deliveries
+    # never wait for Redis, and go on without it.
+    redis = Redis.from_url(settings.redis_url, socket_timeout=2, socket_connect_timeout=2)
+    worker = Worker(
+        pool, client, config, keyring=keyring, listen=None if once else listen, redis=redis
+    )
 
     stopped_by: list[str] = []
 
@@ -128,6 +134,8 @@ def run(settings: Settings, once: bool = False) -> int:
             log.info("outbox_worker_stopping", signal=stopped_by[0] if stopped_by else None)
     finally:
         worker.close()
+        worker.flow.flush(redis)
+        redis.close()
         client.close()
         pool.close()
     log.info("outbox_worker_stopped")

@@ -48,6 +48,7 @@ CROSS_TENANT_FUNCTIONS = {
     "any_sealed_secret_v2",
     "audit_cross_tenant",
     "claim_outbox_v1",
+    "claim_outbox_v2",
     "endpoint_v1",
     "endpoint_v2",
     "ingress_endpoints_v1",
