@@ -29,7 +29,7 @@ def compose() -> dict[str, Any]:
 
 def test_services_replicas_and_one_image() -> None:
     services = compose()["services"]
-    assert set(services) == {"postgres", "redis", *REPLICAS}
+    assert set(services) == {"postgres", "redis", "prometheus", "grafana", *REPLICAS}
     for name, replicas in REPLICAS.items():
         service = services[name]
         assert service["image"] == "payhook:latest" and service["build"] == ".", name
