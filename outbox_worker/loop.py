@@ -90,6 +90,8 @@ class Worker:
 
     def close(self) -> None:
         self.executor.shutdown(wait=True)
+        if self.redis is not None:
+            self.flow.flush(self.redis)
 
     def run(self) -> None:
         """Deliver until `stop()`."""

@@ -134,7 +134,6 @@ def run(settings: Settings, once: bool = False) -> int:
             log.info("outbox_worker_stopping", signal=stopped_by[0] if stopped_by else None)
     finally:
         worker.close()
-        worker.flow.flush(redis)
         redis.close()
         client.close()
         pool.close()
