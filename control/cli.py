@@ -12,10 +12,12 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import psycopg
 from redis.exceptions import RedisError
 
+from control import audit
 from payhook.errors import PayhookError
 from payhook.gateways import GATEWAYS
 from payhook.logs import configure_logging
@@ -80,11 +82,11 @@ def cmd_tenants_add(args: argparse.Namespace, settings: Settings) -> int:
     destinations = DestinationPolicy.from_settings(settings)
     keyring = Keyring.from_settings(settings)
     with connect(settings) as conn:
-        print(
-            add_tenant(
-                conn, args.name, args.fulfilment_url, keyring=keyring, destinations=destinations
-            )
+        tenant_id = add_tenant(
+            conn, args.name, args.fulfilment_url, keyring=keyring, destinations=destinations
         )
+        audit.record(conn, "tenant_add", "tenant", tenant_id, tenant_id=tenant_id)
+    print(tenant_id)
     return 0
 
 
@@ -108,6 +110,14 @@ def cmd_endpoints_add(args: argparse.Namespace, settings: Settings) -> int:
                 named_values("--credential", args.credential or []),
             ),
         )
+        audit.record(
+            conn,
+            "endpoint_add",
+            "endpoint",
+            endpoint.endpoint_id,
+            tenant_id=args.tenant,
+            result={"gateway": args.gateway},  # never a secret
+        )
     print(json.dumps(endpoint.__dict__))
     return 0
 
@@ -120,6 +130,7 @@ def cmd_endpoints_rotate(args: argparse.Namespace, settings: Settings) -> int:
     keyring = Keyring.from_settings(settings)
     with connect(settings) as conn:
         secret = rotate_endpoint_secret(conn, args.endpoint, args.secret, keyring=keyring)
+        _audit_endpoint(conn, "endpoint_rotate", args.endpoint)
     print(json.dumps({"endpoint_id": args.endpoint, "secret": secret}))
     return 0
 
@@ -143,6 +154,8 @@ def cmd_endpoints_configure(args: argparse.Namespace, settings: Settings) -> int
             config=config,
             unset=tuple(args.unset or ()),
         )
+        # Names only: the settings and the credentials' names, never a value.
+        _audit_endpoint(conn, "endpoint_configure", args.endpoint, result=stored)
     print(json.dumps(stored))
     return 0
 
@@ -153,8 +166,19 @@ def cmd_endpoints_retire(args: argparse.Namespace, settings: Settings) -> int:
 
     with connect(settings) as conn:
         retire_old_secrets(conn, args.endpoint)
+        _audit_endpoint(conn, "endpoint_retire_secrets", args.endpoint)
     print(json.dumps({"endpoint_id": args.endpoint, "retired": True}))
     return 0
+
+
+def _audit_endpoint(
+    conn: psycopg.Connection[Any], action: str, endpoint_id: str, **options: Any
+) -> None:
+    from payhook.db import tenant_of
+
+    found = tenant_of(conn, "webhook_endpoints", endpoint_id)
+    tenant_id = None if found is None else str(found)
+    audit.record(conn, action, "endpoint", endpoint_id, tenant_id=tenant_id, **options)
 
 
 def cmd_secrets_new_key(args: argparse.Namespace, settings: Settings) -> int:
@@ -185,6 +209,13 @@ def cmd_secrets(args: argparse.Namespace, settings: Settings) -> int:
             )
             return 0 if checked.ok else 1
         sealed = reseal_all(conn, keyring, args.batch, plaintext_only=args.action == "seal")
+        audit.record(
+            conn,
+            f"secrets_{args.action.replace('-', '_')}",
+            "secrets",
+            "*",
+            result={"key": keyring.current, "resealed": sealed.resealed},
+        )
     print(
         json.dumps(
             {
@@ -203,16 +234,11 @@ def cmd_orders_add(args: argparse.Namespace, settings: Settings) -> int:
     from payhook.db import connect
 
     with connect(settings) as conn:
-        print(
-            add_order(
-                conn,
-                args.tenant,
-                args.merchant_ref,
-                args.gateway_order_id,
-                args.amount,
-                args.currency,
-            )
+        order_id = add_order(
+            conn, args.tenant, args.merchant_ref, args.gateway_order_id, args.amount, args.currency
         )
+        audit.record(conn, "order_add", "order", order_id, tenant_id=args.tenant)
+    print(order_id)
     return 0
 
 
@@ -285,9 +311,19 @@ def cmd_quarantine(args: argparse.Namespace, settings: Settings) -> int:
 
     if args.action == "purge" and not (args.all or args.job_ids):
         raise PayhookError("quarantine purge: name JOB_IDs or give --all")
+
+    def purged(job_ids: list[str], count: int) -> None:
+        from payhook.db import connect
+
+        with connect(settings) as conn:
+            audit.record(
+                conn, "quarantine_purge", "quarantine", "*" if args.all else ",".join(job_ids),
+                result={"purged": count, "jobs": len(job_ids)},
+            )  # fmt: skip
+
     redis = redis_connection(settings, timeout=10)
     try:
-        return quarantined.run(args.action, args, redis, settings.queue, sys.stdout)
+        return quarantined.run(args.action, args, redis, settings.queue, sys.stdout, purged)
     finally:
         redis.close()
 
@@ -334,6 +370,11 @@ def cmd_reconcile(args: argparse.Namespace, settings: Settings) -> int:
                         dry_run=args.dry_run, restart=args.restart,
                     )
                 ]  # fmt: skip
+            for run in done:
+                audit.record(
+                    conn, "reconcile", "endpoint", run.endpoint_id,
+                    tenant_id=run.tenant_id, result=run.to_json(),
+                )  # fmt: skip
         finally:
             redis.close()
     for run in done:
@@ -537,6 +578,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("resolve", cmd_operations, "close an exception without applying it", exceptions)
     p.add_argument("id", type=int)
     p.add_argument("--tenant")
+    p.add_argument("--note", required=True, help="why, kept in the audit trail")
 
     anomalies = commands.add_parser("anomalies", help="security anomalies").add_subparsers(
         dest="action", required=True, metavar="ACTION"

@@ -85,6 +85,7 @@ from control.operations import (
     NotRequeueable,
     fetch_job,
     latest_error,
+    record_requeues,
     requeue_all_dead_letters,
     requeue_dead_letter,
 )
@@ -347,6 +348,12 @@ def create_app(settings: Settings, user: str, password: str) -> Flask:
             return Response("no such instance\n", 404)
         return None
 
+    def audit_requeues(job_ids: list[str]) -> None:
+        try:
+            record_requeues(settings, job_ids, actor=user, source="dashboard")
+        except psycopg.Error as exc:  # requeued all the same: said in the log
+            log.error("dashboard_audit_failed", error=error_summary(exc), jobs=len(job_ids))
+
     def requeue_job_view(job_id: str) -> tuple[Response, int]:
         try:
             requeue_dead_letter(redis, settings, job_id)
@@ -355,6 +362,7 @@ def create_app(settings: Settings, user: str, password: str) -> Flask:
         except NotRequeueable as exc:
             return _answer("ERROR", 409, job_id=job_id, reason=str(exc))
         log.info("dashboard_job_requeued", job_id=job_id, user=user)
+        audit_requeues([job_id])
         return _answer("OK", 200, job_id=job_id)
 
     def requeue_all(queue_name: str) -> tuple[Response, int]:
@@ -362,6 +370,7 @@ def create_app(settings: Settings, user: str, password: str) -> Flask:
             return _answer("ERROR", 409, reason=f"only {settings.queue!r} is requeued here")
         requeued, refused = requeue_all_dead_letters(redis, settings)
         log.info("dashboard_jobs_requeued", requeued=len(requeued), refused=len(refused))
+        audit_requeues(requeued)
         return _answer("OK", 200, count=len(requeued), refused=refused)
 
     def job_view(instance_number: int, job_id: str) -> Response:

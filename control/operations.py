@@ -35,6 +35,7 @@ from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 from rq.utils import now, utcformat
 
+from control import audit
 from payhook.db import Row, connect, fetch_all, fetch_one, tenant_transaction, tolerant_cursor
 from payhook.errors import NotFound, PayhookError
 from payhook.gateways.storable import character_problem, storable_event_id
@@ -63,6 +64,8 @@ class Trace:
     outbox: list[Row] = field(default_factory=list)
     exceptions: list[Row] = field(default_factory=list)
     anomalies: list[Row] = field(default_factory=list)
+    #: What operators did about the event (`payhook.operator_actions`).
+    actions: list[Row] = field(default_factory=list)
 
     @property
     def found(self) -> bool:
@@ -95,6 +98,7 @@ def trace_event(conn: psycopg.Connection[Row], tenant_id: str, event_id: str) ->
         trace.outbox = fetch_all(cur, "trace_outbox", key)
         trace.exceptions = fetch_all(cur, "trace_exceptions", key)
         trace.anomalies = fetch_all(cur, "trace_anomalies", key)
+        trace.actions = fetch_all(cur, "list_operator_actions", key | {"limit": MAX_LIST_LIMIT})
     return trace
 
 
@@ -161,6 +165,13 @@ def format_trace(trace: Trace) -> str:
         add("exception", f"#{e['id']} {e['kind']}  {status}  detail={json.dumps(e['detail'])}")
     for a in trace.anomalies:
         add("anomaly", f"#{a['id']} {a['kind']}  at={_when(a['detected_at'])}")
+    for act in reversed(trace.actions):  # oldest first, as the lines above
+        note = f"  note={json.dumps(act['note'])}" if act["note"] else ""
+        add(
+            "operator",
+            f"{act['action']} {act['object_kind']} {act['object_id']}  by={act['actor']} "
+            f"({act['source']})  at={_when(act['at'])}{note}",
+        )
     if r is not None and not trace.transitions and not trace.exceptions:
         add("effect", "none (duplicate, ignored or already applied)")
     return "\n".join(lines)
@@ -448,10 +459,32 @@ def run(args: argparse.Namespace, settings: Settings, out: TextIO = sys.stdout) 
         tenant = _uuid(args.tenant, "--tenant") if args.tenant else None
         if args.action == "replay":
             replay = replay_exception(conn, args.id, tenant_id=tenant, dry_run=args.dry_run)
+            audit.record(
+                conn,
+                "exception_dry_run" if args.dry_run else "exception_replay",
+                "exception",
+                str(args.id),
+                tenant_id=replay.tenant_id,
+                event_id=replay.event_id,
+                result=replay.to_json(),
+            )
             _print_json(out, replay.to_json())
             return 0 if replay.resolved else 1
         if args.action == "resolve":
+            if not (args.note or "").strip():
+                raise PayhookError("exceptions resolve: give the reason with --note")
             closed = resolve_by_hand(conn, args.id, tenant_id=tenant)
+            owner, event_id = audit.event_of(conn, "exception", str(args.id))
+            audit.record(
+                conn,
+                "exception_resolve",
+                "exception",
+                str(args.id),
+                tenant_id=owner,
+                event_id=event_id,
+                note=args.note,
+                result={"changed": closed},
+            )
             _print_json(out, {"exception_id": args.id, "resolved": True, "changed": closed})
             return 0
     raise PayhookError(f"unknown command {args.command} {getattr(args, 'action', '')}".strip())
@@ -465,6 +498,7 @@ def _run_dlq(args: argparse.Namespace, settings: Settings, out: TextIO) -> int:
             return 0
         if args.all:
             requeued, refused = requeue_all_dead_letters(redis, settings)
+            record_requeues(settings, requeued)
             _print_json(out, {"requeued": requeued, "refused": refused})
             return 0 if not refused else 1
         if not args.job_ids:
@@ -477,10 +511,21 @@ def _run_dlq(args: argparse.Namespace, settings: Settings, out: TextIO) -> int:
                 failed += 1
                 _print_json(out, {"id": job_id, "requeued": False, "reason": str(exc)})
             else:
+                record_requeues(settings, [job_id])
                 _print_json(out, {"id": job_id, "requeued": True})
         return 1 if failed else 0
     finally:
         redis.close()
+
+
+def record_requeues(settings: Settings, job_ids: list[str], **options: Any) -> None:
+    """One audit row per requeued dead letter (a job of no tenant yet known),
+    written once the requeue took effect in Redis."""
+    if not job_ids:
+        return
+    with connect(settings, "operations") as conn:
+        for job_id in job_ids:
+            audit.record(conn, "dlq_requeue", "job", job_id, **options)
 
 
 def _readable(job: Job) -> bool:

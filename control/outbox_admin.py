@@ -15,6 +15,7 @@ from typing import Any
 
 import psycopg
 
+from control import audit
 from payhook.db import Row, connect, execute, fetch_all, fetch_one, tenant_of, tenant_transaction
 from payhook.errors import NotFound, PayhookError
 from payhook.settings import Settings
@@ -34,9 +35,16 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
                 print(json.dumps(row, default=_json_value))
         elif args.action == "retry":
             row = retry_row(conn, args.id)
+            tenant_id, event_id = audit.event_of(conn, "outbox", str(row["id"]))
+            audit.record(
+                conn, "outbox_retry", "outbox", str(row["id"]), tenant_id=tenant_id,
+                event_id=event_id,
+            )  # fmt: skip
             print(json.dumps({"id": row["id"], "tenant_id": row["tenant_id"], "retried": True}))
         elif args.action == "retry-dead":
-            print(json.dumps({"retried": retry_dead(conn)}))
+            retried = retry_dead(conn)
+            audit.record(conn, "outbox_retry_dead", "outbox", "*", result={"retried": retried})
+            print(json.dumps({"retried": retried}))
         else:
             raise PayhookError(f"unknown outbox action {args.action!r}")
     return 0

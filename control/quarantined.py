@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any, TextIO
 
 from redis import Redis
@@ -10,7 +11,14 @@ from redis import Redis
 from payhook.quarantine import all_ids, find, list_jobs, purge, show
 
 
-def run(action: str, args: Any, redis: Redis, queue: str, out: TextIO) -> int:
+def run(
+    action: str,
+    args: Any,
+    redis: Redis,
+    queue: str,
+    out: TextIO,
+    purged: Callable[[list[str], int], None] | None = None,
+) -> int:
     """`payhook quarantine list|show|purge`: JSON lines; 1 when an id is not quarantined."""
     if action == "list":
         for entry in list_jobs(redis, queue, args.limit):
@@ -28,5 +36,8 @@ def run(action: str, args: Any, redis: Redis, queue: str, out: TextIO) -> int:
                 print(json.dumps(entry.to_json() | {"fields": fields}), file=out)
         return 1 if missing else 0
     chosen = all_ids(redis, queue) if args.all else [j for _, j in ids if j is not None]
-    print(json.dumps({"purged": purge(redis, queue, chosen)}), file=out)
+    count = purge(redis, queue, chosen)
+    if purged is not None:
+        purged([str(j) for j in chosen], count)
+    print(json.dumps({"purged": count}), file=out)
     return 1 if missing else 0

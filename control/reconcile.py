@@ -73,6 +73,7 @@ class Run:
     queued: int = 0
     cursor: str | None = None
     error: str | None = None
+    tenant_id: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -106,7 +107,7 @@ def reconcile(
         row["settings"], open_credentials(keyring, tenant_id, endpoint_id, row["credentials"])
     )
     now = datetime.now(UTC)
-    run = Run(str(uuid.uuid4()), endpoint_id, now - since, now, dry_run)
+    run = Run(str(uuid.uuid4()), endpoint_id, now - since, now, dry_run, tenant_id=tenant_id)
     with tenant_transaction(conn, tenant_id):
         last = fetch_one(
             conn, "last_reconcile_run", {"tenant_id": tenant_id, "endpoint_id": endpoint_id}

@@ -29,6 +29,7 @@ from typing import Any
 import psycopg
 import structlog
 
+from control import audit
 from control.alerts import AlertSettings
 from payhook.db import Row, connect, fetch_one
 from payhook.errors import SettingsError
@@ -160,5 +161,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     options = f"-c lock_timeout={LOCK_TIMEOUT} -c statement_timeout={STATEMENT_TIMEOUT}"
     with connect(settings, "retention", options=options) as conn:
         result = run_retention(conn, settings, dry_run=args.dry_run)
+        if not args.dry_run:
+            audit.record(conn, "retention_run", "retention", "*", result=result.to_json())
     print(json.dumps(result.to_json()))
     return 0

@@ -10,6 +10,7 @@ import shlex
 import sys
 from dataclasses import asdict
 
+from control import audit
 from control.migrations import LOCK_TIMEOUT, pending_migrations
 from control.sqltext import identifier, qualified, quoted
 from control.unique_rules import RuleError, UncheckableRule, UniqueRule, all_rules_in
@@ -53,6 +54,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
                     left = remaining_conflicts(conn, rule)
                     summary["remaining"] = dict(left)
                     remaining |= bool(left)
+                    audit.record(conn, "uniqueness_resolve", "rule", rule.name, result=summary)
             except NotYetThere:
                 if not pending:
                     raise

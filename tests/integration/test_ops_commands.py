@@ -140,7 +140,10 @@ def test_exceptions_list_shows_open_ones_and_anomalies_list_the_conflicts(
     assert status == 0 and exception["kind"] == "unmapped_order"
     assert exception["tenant_id"] == shop.tenant_id
 
-    assert run(settings, "exceptions", "resolve", str(exception["id"]))[0] == 0
+    resolve = ["exceptions", "resolve", str(exception["id"])]
+    with pytest.raises(SystemExit):  # the reason is required
+        run(settings, *resolve)
+    assert run(settings, *resolve, "--note", "paid by bank transfer, order 9")[0] == 0
     assert run(settings, "exceptions", "list")[1] == ""
     [closed] = lines(run(settings, "exceptions", "list", "--all")[1])
     assert closed["resolved_at"] is not None
@@ -614,7 +617,11 @@ def test_bad_input_is_a_clear_error_with_exit_2_never_a_traceback(
     order = ["orders", "add", "--tenant", shop.tenant_id, "--currency", "EUR"]
     cases: list[tuple[list[str], dict[str, str], str]] = [
         (["exceptions", "replay", "1", "--tenant", "bogus"], {}, "--tenant: expected a UUID"),
-        (["exceptions", "resolve", "1", "--tenant", "bogus"], {}, "--tenant: expected a UUID"),
+        (
+            ["exceptions", "resolve", "1", "--tenant", "bogus", "--note", "n"],
+            {},
+            "--tenant: expected a UUID",
+        ),
         ([*order, "--merchant-ref", "", "--gateway-order-id", "pi_1", "--amount", "5"], {},
          "--merchant-ref may not be empty"),
         ([*order, "--merchant-ref", "r", "--gateway-order-id", "", "--amount", "5"], {},

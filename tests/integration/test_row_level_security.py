@@ -38,6 +38,7 @@ TENANT_TABLES = {
     "uniqueness_conflicts": "tenant_id",
     "uniqueness_quarantine": "tenant_id",
     "reconcile_runs": "tenant_id",
+    "operator_actions": "tenant_id",
 }
 
 #: The functions that may read across tenants, and only these.
@@ -102,6 +103,11 @@ def populate(runtime: Runtime, factory: Factory, shop: Shop) -> None:
     conn.execute(
         "INSERT INTO payhook.uniqueness_quarantine (tenant_id, rule, table_name, key, row_data)"
         " VALUES (%s, 'rule', 'payment_orders', '[]', '{}')",
+        (shop.tenant_id,),
+    )
+    conn.execute(
+        "INSERT INTO payhook.operator_actions (actor, source, action, object_kind, object_id,"
+        " tenant_id) VALUES ('test', 'cli', 'order_add', 'order', 'o1', %s)",
         (shop.tenant_id,),
     )
     conn.execute(
