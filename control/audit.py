@@ -12,12 +12,17 @@ from __future__ import annotations
 import getpass
 import json
 import os
+import uuid
 from typing import Any
 
 import psycopg
 from psycopg.types.json import Jsonb
 
 from payhook.db import Row, execute, fetch_all, fetch_one, tenant_of, tenant_transaction
+from payhook.errors import PayhookError
+
+#: Most actions one listing prints.
+MAX_LIMIT = 10_000
 
 
 def command_actor() -> str:
@@ -82,6 +87,12 @@ def actions(
     conn: psycopg.Connection[Row], tenant_id: str, event_id: str | None = None, limit: int = 50
 ) -> list[Row]:
     """A tenant's actions, newest first; those about one event with `event_id`."""
+    try:
+        tenant_id = str(uuid.UUID(tenant_id))
+    except ValueError:
+        raise PayhookError(f"--tenant: expected a UUID, got {tenant_id!r}") from None
+    if not 1 <= limit <= MAX_LIMIT:
+        raise PayhookError(f"--limit: expected 1 to {MAX_LIMIT}, got {limit}")
     params = {"tenant_id": tenant_id, "event_id": event_id, "limit": limit}
     with tenant_transaction(conn, tenant_id):
         return fetch_all(conn, "list_operator_actions", params)

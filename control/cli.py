@@ -382,6 +382,15 @@ def cmd_reconcile(args: argparse.Namespace, settings: Settings) -> int:
     return 1 if any(run.error for run in done) else 0
 
 
+def cmd_audit(args: argparse.Namespace, settings: Settings) -> int:
+    from payhook.db import connect
+
+    with connect(settings) as conn:
+        for row in audit.actions(conn, args.tenant, args.event_id, args.limit):
+            print(json.dumps(row, default=str))
+    return 0
+
+
 def cmd_uniqueness(args: argparse.Namespace, settings: Settings) -> int:
     from control.uniqueness_command import run
 
@@ -619,6 +628,11 @@ def build_parser() -> argparse.ArgumentParser:
         retention,
     )
     p.add_argument("--dry-run", action="store_true", help="count what would go; change nothing")
+
+    p = add("audit", cmd_audit, "a tenant's operator actions, newest first, a JSON line each")
+    p.add_argument("--tenant", required=True)
+    p.add_argument("--event-id", help="only those about this event")
+    p.add_argument("--limit", type=int, default=50)
 
     p = add(
         "reconcile",

@@ -4,6 +4,7 @@ change or remove, and the trace of an event shows what operators did about it.""
 from __future__ import annotations
 
 import io
+import json
 from typing import Any
 
 import psycopg
@@ -15,6 +16,7 @@ from control import admin, audit, operations, outbox_admin
 from control.cli import build_parser
 from control.dashboard import create_app
 from payhook.db import Row, connect
+from payhook.errors import PayhookError
 from payhook.queue import events_queue
 from payhook.settings import Settings
 from tests.factories import TEST_KEYRING, Factory, StandardEvent
@@ -150,3 +152,32 @@ def test_adding_tenants_endpoints_and_orders_is_kept(
     )  # fmt: skip
     assert args.func(args, settings) == 0
     assert [r["action"] for r in rows(conn, tenant_id=tenant)] == ["endpoint_add", "order_add"]
+
+
+def test_payhook_audit_lists_a_tenants_actions(
+    conn: psycopg.Connection[Row],
+    factory: Factory,
+    settings: Settings,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    shop, other = factory.shop(), factory.shop()
+    audit.record(conn, "order_add", "order", "o1", tenant_id=shop.tenant_id, actor="ann")
+    audit.record(conn, "order_add", "order", "o2", tenant_id=other.tenant_id, actor="bob")
+    audit.record(conn, "outbox_retry", "outbox", "x", tenant_id=shop.tenant_id, event_id="evt_1")
+    args = build_parser().parse_args(["audit", "--tenant", shop.tenant_id])
+    assert args.func(args, settings) == 0
+    listed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["action"], r["object_id"]) for r in listed] == [
+        ("outbox_retry", "x"),
+        ("order_add", "o1"),
+    ]
+    args = build_parser().parse_args(["audit", "--tenant", shop.tenant_id, "--event-id", "evt_1"])
+    assert args.func(args, settings) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 1
+    for bad, message in (
+        (["--tenant", "bogus"], "expected a UUID"),
+        (["--tenant", shop.tenant_id, "--limit", "0"], "--limit"),
+    ):
+        args = build_parser().parse_args(["audit", *bad])
+        with pytest.raises(PayhookError, match=message):
+            args.func(args, settings)
