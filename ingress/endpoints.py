@@ -146,7 +146,13 @@ class PostgresEndpoints:
                 self._opened[key] = secret
                 if secret is not None:
                     secrets.append(secret)
-            stored = row["credentials"]
+            # Only what verifying reads: API tokens stay out of the ingress.
+            known = GATEWAYS[row["gateway"]].settings
+            stored = {
+                name: value
+                for name, value in row["credentials"].items()
+                if name in known and known[name].verifies
+            }
             key = (tenant_id, endpoint_id, json.dumps(stored, sort_keys=True))
             credentials = previous_credentials.get(key)
             if credentials is None:

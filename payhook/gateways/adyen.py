@@ -25,7 +25,6 @@ from __future__ import annotations
 import base64
 import binascii
 import dataclasses
-import hashlib
 import hmac
 import json
 import secrets as random
@@ -55,6 +54,7 @@ from payhook.gateways.base import (
     require_amount,
     require_currency,
     require_str,
+    same_bytes,
 )
 
 #: Adyen's event codes payhook acts on, by the `success` they carry.
@@ -139,7 +139,7 @@ class AdyenGateway(GatewayBase):
         {
             "basic_auth_user": Setting("the user name configured for the webhook at Adyen"),
             "basic_auth_password": Setting(
-                "the password configured for the webhook at Adyen", credential=True
+                "the password configured for the webhook at Adyen", credential=True, verifies=True
             ),
         }
     )
@@ -328,7 +328,7 @@ def _check_basic_auth(headers: Mapping[str, str], config: Config) -> None:
     except (binascii.Error, ValueError):
         raise MalformedHeaders() from None
     expected = f"{user}:{password}".encode()
-    if not hmac.compare_digest(hashlib.sha256(given).digest(), hashlib.sha256(expected).digest()):
+    if not same_bytes(expected, given):
         raise SignatureMismatch()
 
 

@@ -10,7 +10,12 @@ from dataclasses import dataclass, field, fields
 from datetime import datetime
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
-from payhook.errors import MalformedEvent, MalformedHeaders, TimestampOutOfTolerance
+from payhook.errors import (
+    MalformedEvent,
+    MalformedHeaders,
+    SignatureMismatch,
+    TimestampOutOfTolerance,
+)
 
 #: The event kinds payhook acts on; any other gateway type is recorded and ignored.
 KINDS = ("succeeded", "failed", "refunded", "disputed")
@@ -151,6 +156,9 @@ class Setting:
     #: `--credential`, stored in the endpoint's `credentials`.
     credential: bool = False
     required: bool = False
+    #: A credential `verify` reads (a basic-auth password): the ingress holds
+    #: it. Others (API tokens) are opened by the consumers only.
+    verifies: bool = False
 
 
 @dataclass(frozen=True)
@@ -341,6 +349,28 @@ def one_event(samples: Sequence[Sample]) -> Sample:
     return samples[0]
 
 
+class BodyHmacGateway(GatewayBase):
+    """A gateway that signs the raw body alone: one header holding the hex
+    HMAC-SHA256 of it (`hex_hmac_sha256`), keyed with the endpoint's secret;
+    no timestamp is signed."""
+
+    #: The header that carries the signature.
+    hmac_header: str
+
+    def verify(
+        self,
+        headers: Mapping[str, str],
+        body: bytes,
+        secrets: Sequence[str],
+        *,
+        now: float | None,
+        tolerance: float | None,
+        config: Config = NO_CONFIG,
+    ) -> None:
+        given = signature_header(headers, self.hmac_header)
+        require_signature([given], secrets, lambda secret: hex_hmac_sha256(secret, body))
+
+
 def check_settings(known: Mapping[str, Setting], config: Config) -> None:
     """`ValueError` for a setting or credential the gateway does not read, one
     given as the other, or a required one missing."""
@@ -410,7 +440,7 @@ def json_text(body: bytes, key: str) -> str | None:
         value = json.loads(body).get(key)
     except (ValueError, AttributeError, RecursionError):
         return None
-    return value if isinstance(value, str) else None
+    return value if isinstance(value, str) and value else None
 
 
 def canonical_digest(content: Any) -> str:
@@ -428,6 +458,28 @@ def check_tolerance(timestamp: int, now: float | None, tolerance: float | None) 
         raise ValueError("now is required with a tolerance")
     if abs(now - timestamp) > tolerance:
         raise TimestampOutOfTolerance()
+
+
+def hex_hmac_sha256(secret: str, content: bytes) -> str:
+    """Hex HMAC-SHA256 of `content` keyed with `secret` as UTF-8: how
+    GoCardless, Checkout.com and Razorpay sign a body."""
+    return hmac.new(secret.encode(), content, hashlib.sha256).hexdigest()
+
+
+def require_signature(
+    given: Sequence[bytes], secrets: Sequence[str], sign: Callable[[str], str]
+) -> None:
+    """`SignatureMismatch` unless one of `given` is `sign(secret)` for one of
+    `secrets` (an empty or NULL secret, written by hand, signs nothing)."""
+    expected = [sign(s).encode() for s in secrets if isinstance(s, str) and s]
+    if not any_signature_matches(expected, given):
+        raise SignatureMismatch()
+
+
+def same_bytes(expected: bytes, given: bytes) -> bool:
+    """Whether a fixed credential (a password, a static header) was given, in
+    constant time whatever the lengths: their digests are compared."""
+    return hmac.compare_digest(hashlib.sha256(expected).digest(), hashlib.sha256(given).digest())
 
 
 def any_signature_matches(expected: Sequence[bytes], given: Sequence[bytes]) -> bool:

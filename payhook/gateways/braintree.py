@@ -38,6 +38,7 @@ from payhook.gateways.base import (
     Event,
     GatewayBase,
     Sample,
+    check_printable,
     iso_time,
     meaning_digest,
     object_meaning,
@@ -128,8 +129,7 @@ class BraintreeGateway(GatewayBase):
 
     def check_secret(self, secret: str) -> None:
         key_pair(secret)
-        if not (secret.isascii() and secret.isprintable()):
-            raise ValueError("a Braintree key pair is printable ASCII")
+        check_printable(secret, "a Braintree key pair")
 
     def read_event_id(self, headers: Mapping[str, str], body: bytes) -> str | None:
         return None  # in the XML, which the consumer decodes

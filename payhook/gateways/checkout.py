@@ -10,8 +10,6 @@ vector.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import hmac
 import json
 import secrets as random
 from collections.abc import Mapping, Sequence
@@ -24,14 +22,14 @@ from payhook.gateways.base import (
     DAY,
     MAX_REFERENCE,
     NO_CONFIG,
+    BodyHmacGateway,
     Config,
     Event,
-    GatewayBase,
     Sample,
     Setting,
-    any_signature_matches,
     canonical_digest,
     check_printable,
+    hex_hmac_sha256,
     iso_time,
     json_text,
     load_json_object,
@@ -41,7 +39,7 @@ from payhook.gateways.base import (
     require_amount,
     require_currency,
     require_str,
-    signature_header,
+    same_bytes,
 )
 
 TYPES = {
@@ -55,18 +53,20 @@ TYPES = {
 }
 
 
-def sign(secret: str, body: bytes) -> str:
-    return hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
+#: The `Cko-Signature` of a body under a secret.
+sign = hex_hmac_sha256
 
 
-class CheckoutGateway(GatewayBase):
+class CheckoutGateway(BodyHmacGateway):
     name = "checkout"
     signature_headers: tuple[str, ...] = ("cko-signature", "authorization")
+    hmac_header = "cko-signature"
     settings: Mapping[str, Setting] = MappingProxyType(
         {
             "authorization": Setting(
                 "the fixed Authorization header value configured on the webhook",
                 credential=True,
+                verifies=True,
             )
         }
     )
@@ -98,18 +98,13 @@ class CheckoutGateway(GatewayBase):
         tolerance: float | None,
         config: Config = NO_CONFIG,
     ) -> None:
-        given = signature_header(headers, "cko-signature")
+        super().verify(headers, body, secrets, now=now, tolerance=tolerance, config=config)
         # A credential that did not open is there, empty: nothing matches it.
         if "authorization" in config.credentials:
-            expected_auth = config.credentials.get("authorization", "").encode()
-            got_auth = headers.get("authorization", "").encode("latin-1", "replace")
-            if not expected_auth or not hmac.compare_digest(
-                hashlib.sha256(expected_auth).digest(), hashlib.sha256(got_auth).digest()
-            ):
+            expected = config.credentials["authorization"].encode()
+            given = headers.get("authorization", "").encode("latin-1", "replace")
+            if not expected or not same_bytes(expected, given):
                 raise SignatureMismatch()
-        expected = [sign(s, body).encode() for s in secrets if isinstance(s, str) and s]
-        if not any_signature_matches(expected, [given]):
-            raise SignatureMismatch()
 
     def parse(self, headers: Mapping[str, str], body: bytes) -> Event:
         data = load_json_object(body)

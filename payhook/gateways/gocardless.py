@@ -17,8 +17,6 @@ retries and finally keeps in the dead-letter queue.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import hmac
 import json
 import secrets as random
 from collections.abc import Mapping, Sequence
@@ -27,22 +25,22 @@ from types import MappingProxyType
 from typing import Any
 from urllib.parse import quote
 
-from payhook.errors import GatewayUnavailable, MalformedEvent, SignatureMismatch
+from payhook.errors import GatewayUnavailable, MalformedEvent
 from payhook.gateways import api
 from payhook.gateways.base import (
     DAY,
     MAX_REFERENCE,
     NO_CONFIG,
+    BodyHmacGateway,
     Config,
     Event,
-    GatewayBase,
     Reply,
     Sample,
     Setting,
-    any_signature_matches,
     canonical_digest,
     check_printable,
     check_settings,
+    hex_hmac_sha256,
     iso_time,
     load_json_object,
     meaning_digest,
@@ -51,7 +49,6 @@ from payhook.gateways.base import (
     require_amount,
     require_currency,
     require_str,
-    signature_header,
 )
 
 #: Event types payhook acts on: `{resource_type}.{action}`.
@@ -70,14 +67,14 @@ LIVE_API = "https://api.gocardless.com"
 ACCEPTED = Reply(204, b"")
 
 
-def sign(secret: str, body: bytes) -> str:
-    """The `Webhook-Signature` of `body` under `secret`."""
-    return hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
+#: The `Webhook-Signature` of a body under a secret.
+sign = hex_hmac_sha256
 
 
-class GoCardlessGateway(GatewayBase):
+class GoCardlessGateway(BodyHmacGateway):
     name = "gocardless"
     signature_headers: tuple[str, ...] = ("webhook-signature",)
+    hmac_header = "webhook-signature"
     settings: Mapping[str, Setting] = MappingProxyType(
         {
             "api_base_url": Setting(
@@ -114,21 +111,6 @@ class GoCardlessGateway(GatewayBase):
 
     def new_event_id(self) -> str:
         return "EV" + random.token_hex(7).upper()
-
-    def verify(
-        self,
-        headers: Mapping[str, str],
-        body: bytes,
-        secrets: Sequence[str],
-        *,
-        now: float | None,
-        tolerance: float | None,
-        config: Config = NO_CONFIG,
-    ) -> None:
-        given = signature_header(headers, "webhook-signature")
-        expected = [sign(s, body).encode() for s in secrets if isinstance(s, str) and s]
-        if not any_signature_matches(expected, [given]):
-            raise SignatureMismatch()
 
     def split(self, body: bytes) -> list[bytes] | None:
         events = load_json_object(body).get("events")

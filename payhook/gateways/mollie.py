@@ -34,7 +34,7 @@ from typing import Any
 from urllib.parse import parse_qs, quote, urlencode
 
 from payhook import money
-from payhook.errors import GatewayUnavailable, MalformedEvent, MalformedHeaders, SignatureMismatch
+from payhook.errors import GatewayUnavailable, MalformedEvent, MalformedHeaders
 from payhook.gateways import api
 from payhook.gateways.base import (
     DAY,
@@ -46,17 +46,18 @@ from payhook.gateways.base import (
     GatewayBase,
     Sample,
     Setting,
-    any_signature_matches,
     canonical_digest,
     check_printable,
     check_settings,
     iso_time,
+    json_text,
     load_json_object,
     meaning_digest,
     object_meaning,
     one_event,
     raw_digest,
     require_currency,
+    require_signature,
     require_str,
 )
 
@@ -114,12 +115,8 @@ class MollieGateway(GatewayBase):
             raise ValueError("classic_webhooks: expected true or false")
 
     def read_event_id(self, headers: Mapping[str, str], body: bytes) -> str | None:
-        try:
-            value = json.loads(body).get("id")
-        except (ValueError, AttributeError, RecursionError):
-            classic = _classic_id(body)
-            return None if classic is None else f"{classic}:webhook"
-        return value if isinstance(value, str) else None
+        classic = _classic_id(body)
+        return json_text(body, "id") if classic is None else f"{classic}:webhook"
 
     def new_event_id(self) -> str:
         return "whe_" + random.token_hex(6)
@@ -145,9 +142,7 @@ class MollieGateway(GatewayBase):
             part.strip().encode("latin-1", "replace") for part in header.split(",") if part.strip()
         ]
         given = [g if g.startswith(b"sha256=") else b"sha256=" + g for g in given]
-        expected = [sign(s, body).encode() for s in secrets if isinstance(s, str) and s]
-        if not any_signature_matches(expected, given):
-            raise SignatureMismatch()
+        require_signature(given, secrets, lambda secret: sign(secret, body))
 
     def parse(self, headers: Mapping[str, str], body: bytes) -> Event:
         classic = _classic_id(body)

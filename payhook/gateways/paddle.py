@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
-from payhook.errors import MalformedEvent, MalformedHeaders, SignatureMismatch
+from payhook.errors import MalformedEvent, MalformedHeaders
 from payhook.gateways.base import (
     DAY,
     MAX_REFERENCE,
@@ -29,7 +29,6 @@ from payhook.gateways.base import (
     Event,
     GatewayBase,
     Sample,
-    any_signature_matches,
     canonical_digest,
     check_printable,
     check_tolerance,
@@ -40,6 +39,7 @@ from payhook.gateways.base import (
     object_meaning,
     one_event,
     require_currency,
+    require_signature,
     require_str,
 )
 
@@ -87,9 +87,7 @@ class PaddleGateway(GatewayBase):
     ) -> None:
         timestamp, given = _read_header(headers.get(HEADER, ""))
         check_tolerance(timestamp, now, tolerance)
-        expected = [sign(s, timestamp, body).encode() for s in secrets if isinstance(s, str) and s]
-        if not any_signature_matches(expected, given):
-            raise SignatureMismatch()
+        require_signature(given, secrets, lambda secret: sign(secret, timestamp, body))
 
     def parse(self, headers: Mapping[str, str], body: bytes) -> Event:
         data = load_json_object(body)

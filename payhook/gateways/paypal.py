@@ -64,6 +64,7 @@ from payhook.gateways.base import (
     Sample,
     Setting,
     canonical_digest,
+    check_printable,
     check_settings,
     check_tolerance,
     iso_time,
@@ -238,8 +239,9 @@ class PayPalGateway(GatewayBase):
         raise ValueError("PayPal assigns the webhook id: give it with --secret")
 
     def check_secret(self, secret: str) -> None:
-        if not secret or len(secret) > MAX_TEXT or not (secret.isascii() and secret.isprintable()):
-            raise ValueError("a PayPal webhook id is printable ASCII, as PayPal shows it")
+        check_printable(secret, "a PayPal webhook id")
+        if len(secret) > MAX_TEXT:
+            raise ValueError(f"a PayPal webhook id holds at most {MAX_TEXT} characters")
         if "|" in secret:
             raise ValueError("a PayPal webhook id holds no '|'")
 

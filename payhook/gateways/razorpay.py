@@ -13,26 +13,24 @@ is logged.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import hmac
 import json
 import secrets as random
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
-from payhook.errors import MalformedEvent, SignatureMismatch
+from payhook.errors import MalformedEvent
 from payhook.gateways.base import (
     DAY,
     MAX_REFERENCE,
     NO_CONFIG,
+    BodyHmacGateway,
     Config,
     Event,
-    GatewayBase,
     Sample,
-    any_signature_matches,
     canonical_digest,
     check_printable,
+    hex_hmac_sha256,
     load_json_object,
     meaning_digest,
     object_meaning,
@@ -40,7 +38,6 @@ from payhook.gateways.base import (
     require_amount,
     require_currency,
     require_str,
-    signature_header,
 )
 
 TYPES = {
@@ -53,13 +50,14 @@ TYPES = {
 ENTITIES = {"refund.processed": "refund", "payment.dispute.created": "dispute"}
 
 
-def sign(secret: str, body: bytes) -> str:
-    return hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
+#: The `X-Razorpay-Signature` of a body under a secret.
+sign = hex_hmac_sha256
 
 
-class RazorpayGateway(GatewayBase):
+class RazorpayGateway(BodyHmacGateway):
     name = "razorpay"
     signature_headers: tuple[str, ...] = ("x-razorpay-signature", "x-razorpay-event-id")
+    hmac_header = "x-razorpay-signature"
     #: Razorpay signs no timestamp.
     tolerance: float | None = None
     #: Razorpay retries for 24 hours after the event.
@@ -79,21 +77,6 @@ class RazorpayGateway(GatewayBase):
 
     def new_event_id(self) -> str:
         return random.token_hex(8)
-
-    def verify(
-        self,
-        headers: Mapping[str, str],
-        body: bytes,
-        secrets: Sequence[str],
-        *,
-        now: float | None,
-        tolerance: float | None,
-        config: Config = NO_CONFIG,
-    ) -> None:
-        given = signature_header(headers, "x-razorpay-signature")
-        expected = [sign(s, body).encode() for s in secrets if isinstance(s, str) and s]
-        if not any_signature_matches(expected, [given]):
-            raise SignatureMismatch()
 
     def parse(self, headers: Mapping[str, str], body: bytes) -> Event:
         data = load_json_object(body)

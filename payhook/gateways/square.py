@@ -32,7 +32,6 @@ from payhook.gateways.base import (
     GatewayBase,
     Sample,
     Setting,
-    any_signature_matches,
     canonical_digest,
     check_printable,
     check_settings,
@@ -44,6 +43,7 @@ from payhook.gateways.base import (
     one_event,
     require_amount,
     require_currency,
+    require_signature,
     require_str,
     signature_header,
 )
@@ -108,9 +108,7 @@ class SquareGateway(GatewayBase):
         url = config.settings.get("notification_url")
         if not url:
             raise SignatureMismatch()  # an endpoint written by hand without it
-        expected = [sign(s, url, body).encode() for s in secrets if isinstance(s, str) and s]
-        if not any_signature_matches(expected, [given]):
-            raise SignatureMismatch()
+        require_signature([given], secrets, lambda secret: sign(secret, url, body))
 
     def parse(self, headers: Mapping[str, str], body: bytes) -> Event:
         data = load_json_object(body)

@@ -45,6 +45,7 @@ from payhook.gateways.base import (
     canonical_digest,
     check_settings,
     check_tolerance,
+    json_text,
     load_json_object,
     meaning_digest,
     one_event,
@@ -192,12 +193,7 @@ class StripeGateway(GatewayBase):
         return body, {"stripe-signature": sign(secret, timestamp, body)}
 
     def read_event_id(self, headers: Mapping[str, str], body: bytes) -> str | None:
-        try:
-            data = json.loads(body)
-        except (ValueError, RecursionError):
-            return None
-        value = data.get("id") if isinstance(data, dict) else None
-        return value if isinstance(value, str) and value else None
+        return json_text(body, "id")
 
     def verify(
         self,

@@ -22,6 +22,7 @@ from control import reconcile
 from control.cli import build_parser
 from control.sender import Event as SendEvent
 from control.sender import sign_event
+from payhook.errors import PayhookError
 from payhook.gateways import stripe as stripe_gateway
 from payhook.gateways.base import Config
 from payhook.settings import Settings
@@ -240,7 +241,7 @@ def test_the_command_line_runs_and_lists_runs(
     assert json.loads(line)["id"] == printed["id"]
     other = factory.shop("standard")
     args = build_parser().parse_args(["reconcile", "--endpoint", other.endpoint_id])
-    with pytest.raises(Exception, match="lists no events"):
+    with pytest.raises(PayhookError, match="lists no events"):
         args.func(args, settings)
 
 

@@ -394,3 +394,24 @@ def test_credentials_are_sealed_resealed_checked_and_bound_to_their_endpoint(
     checked = check_all(factory.conn, both)
     assert not checked.ok
     assert checked.failures[0].startswith(f"endpoints {adyen.endpoint_id} credential")
+
+
+def test_the_ingress_holds_only_the_credentials_verifying_reads(
+    settings: Settings, factory: Factory
+) -> None:
+    """An Adyen basic-auth password, yes; a GoCardless API token, never."""
+    adyen = factory.shop(
+        "adyen", config=Config({"basic_auth_user": "ws"}, {"basic_auth_password": "pw"})
+    )
+    gocardless = factory.shop("gocardless", config=Config({}, {"access_token": "api-token"}))
+    loader = PostgresEndpoints(settings.database_url, TEST_KEYRING)
+
+    async def load() -> list[Endpoint] | None:
+        try:
+            return await loader()
+        finally:
+            await loader.close()
+
+    loaded = {e.id: e for e in asyncio.run(load()) or []}
+    assert loaded[adyen.endpoint_id].credentials == {"basic_auth_password": "pw"}
+    assert loaded[gocardless.endpoint_id].credentials == {}

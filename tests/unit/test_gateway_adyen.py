@@ -191,6 +191,6 @@ def test_an_item_payhook_cannot_map_is_malformed_naming_the_field() -> None:
 
 
 def test_adyen_is_answered_accepted_and_registered() -> None:
-    assert get_gateway("adyen") is not None
+    assert isinstance(get_gateway("adyen"), AdyenGateway)
     reply = GATEWAY.accepted(["a", "b"])
     assert 200 <= reply.status < 300 and reply.body == b"[accepted]"

@@ -143,8 +143,11 @@ def test_an_api_that_does_not_answer_in_time_or_a_wrong_token_fail_too(api: Fake
         GATEWAY.complete(confirmed, Config({"api_base_url": api.url}, {}), 5)
 
 
-def test_an_api_answering_another_object_is_malformed(api: FakeApi) -> None:
+def test_an_api_answering_another_object_or_no_amount_is_malformed(api: FakeApi) -> None:
     confirmed = GATEWAY.parse({}, events()[0])
+    api.resources["payments"]["PM123"] = {"id": "PM999", "amount": 1000, "currency": "EUR"}
+    with pytest.raises(MalformedEvent, match=r"payments\.id"):
+        GATEWAY.complete(confirmed, config(api), 5)
     api.add("payments", {"id": "PM123", "amount": "ten", "currency": "EUR"})
     with pytest.raises(MalformedEvent, match="amount"):
         GATEWAY.complete(confirmed, config(api), 5)

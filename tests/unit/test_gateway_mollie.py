@@ -123,5 +123,10 @@ def test_a_webhook_is_completed_from_the_api_or_retried(api: FakeApi) -> None:
     )
     assert api.requests[-1][1] == "/v2/payments/tr_7UhSN1zuXS"
     assert api.requests[-1][2]["authorization"] == "Bearer test_key"
+    # An API that answers another payment than the one asked for is not believed.
+    api.resources["payments"]["tr_7UhSN1zuXS"] = {**api.resources["payments"]["tr_7UhSN1zuXS"],
+                                                  "id": "tr_other"}  # fmt: skip
+    with pytest.raises(GatewayUnavailable, match="not that payment"):
+        GATEWAY.complete(trigger, config, 5)
     with pytest.raises(GatewayUnavailable, match="401"):
         GATEWAY.complete(trigger, Config({"api_base_url": api.url}, {"api_key": "other"}), 5)
