@@ -58,7 +58,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import psycopg
 import structlog
-from flask import Flask, Response, current_app, jsonify, render_template, request, url_for
+from flask import Flask, Response, current_app, g, jsonify, render_template, request, url_for
 from jinja2 import ChoiceLoader, DictLoader, PrefixLoader
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from redis import Redis
@@ -79,6 +79,7 @@ from rq.worker import BaseWorker
 from werkzeug.exceptions import HTTPException, MethodNotAllowed
 from werkzeug.serving import make_server
 
+from control import console
 from control.alerts import AlertCollector, AlertSettings, AlertsUnavailable, Signal, read_signals
 from control.flow_metrics import FlowCollector
 from control.operations import (
@@ -115,8 +116,12 @@ DEFAULT_USER = "payhook"
 CSRF_COOKIE = "_csrf_token"
 #: Header the dashboard's JavaScript puts that token in.
 CSRF_HEADER = "X-CSRFToken"
+#: Form field the console's pages, which run no script, put that token in.
+CSRF_FIELD = "_csrf_token"
 #: Views that change state: POST only, and only from the dashboard's own pages.
-STATE_CHANGING = frozenset({"rq_dashboard.requeue_job_view", "rq_dashboard.requeue_all"})
+STATE_CHANGING = (
+    frozenset({"rq_dashboard.requeue_job_view", "rq_dashboard.requeue_all"}) | console.ACTIONS
+)
 #: rq-dashboard's actions that drop job ids or move them one at a time, and why
 #: each is refused: whatever the method or token, they never run here. A
 #: dead-letter job is the only copy of an event the gateway acknowledged and
@@ -302,6 +307,10 @@ def create_app(settings: Settings, user: str, password: str) -> Flask:
                 return Response(f"refused: {refusal}\n", status, {"Allow": "POST"})
         return None
 
+    @app.context_processor
+    def forms() -> dict[str, Any]:
+        return {"csrf_token": csrf_token}
+
     @app.after_request
     def harden(response: Response) -> Response:
         response.headers["X-Frame-Options"] = "DENY"
@@ -311,7 +320,7 @@ def create_app(settings: Settings, user: str, password: str) -> Flask:
         if request.path not in PUBLIC_PATHS and not request.cookies.get(CSRF_COOKIE):
             response.set_cookie(
                 CSRF_COOKIE,
-                secrets.token_urlsafe(32),
+                csrf_token(),
                 samesite="Strict",
                 secure=request.is_secure,
                 httponly=False,  # the dashboard's JavaScript reads it
@@ -504,6 +513,7 @@ def create_app(settings: Settings, user: str, password: str) -> Flask:
         "rq_dashboard.list_workers": list_workers,
     }
     views.update((endpoint, refused_view(endpoint)) for endpoint in REFUSED)
+    app.register_blueprint(console.create_blueprint(settings, redis, user))
     replace_rq_dashboard_before_request(app, [use_one_instance])
     replace_rq_dashboard_views(app, views)
 
@@ -798,10 +808,21 @@ def _refuse_forgery() -> str | None:
     if origin is not None and urlsplit(origin).netloc != request.host:
         return "cross_origin"
     cookie = request.cookies.get(CSRF_COOKIE, "")
-    header = request.headers.get(CSRF_HEADER, "")
+    header = request.headers.get(CSRF_HEADER) or request.form.get(CSRF_FIELD, "")
     if not cookie or not _same(header, cookie):
         return "csrf_token"
     return None
+
+
+def csrf_token() -> str:
+    """The anti-forgery token of this browser: its cookie's, or a new one
+    the response sets (for a page whose forms carry it)."""
+    token = request.cookies.get(CSRF_COOKIE)
+    if token:
+        return token
+    if "csrf_token" not in g:
+        g.csrf_token = secrets.token_urlsafe(32)
+    return str(g.csrf_token)
 
 
 def _same(given: str, expected: str) -> bool:

@@ -35,7 +35,7 @@ from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 from rq.utils import now, utcformat
 
-from control import audit
+from control import actions, audit
 from payhook.db import Row, connect, fetch_all, fetch_one, tenant_transaction, tolerant_cursor
 from payhook.errors import NotFound, PayhookError
 from payhook.gateways.storable import character_problem, storable_event_id
@@ -451,40 +451,14 @@ def run(args: argparse.Namespace, settings: Settings, out: TextIO = sys.stdout) 
             )
             _print_rows(out, rows)
             return 0
-        if args.action in ("replay", "resolve"):
-            # Replaying is the consumer's transaction: imported where the
-            # command runs, as cli.py does for each process, so the shared
-            # kernel never depends on a component.
-            from consumer.replay import replay_exception, resolve_by_hand
         tenant = _uuid(args.tenant, "--tenant") if args.tenant else None
         if args.action == "replay":
-            replay = replay_exception(conn, args.id, tenant_id=tenant, dry_run=args.dry_run)
-            audit.record(
-                conn,
-                "exception_dry_run" if args.dry_run else "exception_replay",
-                "exception",
-                str(args.id),
-                tenant_id=replay.tenant_id,
-                event_id=replay.event_id,
-                result=replay.to_json(),
-            )
+            replay = actions.replay_exception(conn, args.id, tenant_id=tenant, dry_run=args.dry_run)
             _print_json(out, replay.to_json())
             return 0 if replay.resolved else 1
         if args.action == "resolve":
-            if not (args.note or "").strip():
-                raise PayhookError("exceptions resolve: give the reason with --note")
-            closed = resolve_by_hand(conn, args.id, tenant_id=tenant)
-            owner, event_id = audit.event_of(conn, "exception", str(args.id))
-            audit.record(
-                conn,
-                "exception_resolve",
-                "exception",
-                str(args.id),
-                tenant_id=owner,
-                event_id=event_id,
-                note=args.note,
-                result={"changed": closed},
-            )
+            note = args.note or ""
+            closed = actions.resolve_exception(conn, args.id, tenant_id=tenant, note=note)
             _print_json(out, {"exception_id": args.id, "resolved": True, "changed": closed})
             return 0
     raise PayhookError(f"unknown command {args.command} {getattr(args, 'action', '')}".strip())

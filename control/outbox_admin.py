@@ -34,12 +34,10 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
             for row in list_rows(conn, args.state, args.limit):
                 print(json.dumps(row, default=_json_value))
         elif args.action == "retry":
-            row = retry_row(conn, args.id)
-            tenant_id, event_id = audit.event_of(conn, "outbox", str(row["id"]))
-            audit.record(
-                conn, "outbox_retry", "outbox", str(row["id"]), tenant_id=tenant_id,
-                event_id=event_id,
-            )  # fmt: skip
+            # The console's code path too; imported here, as actions imports this module.
+            from control.actions import redeliver_outbox
+
+            row = redeliver_outbox(conn, args.id)
             print(json.dumps({"id": row["id"], "tenant_id": row["tenant_id"], "retried": True}))
         elif args.action == "retry-dead":
             retried = retry_dead(conn)
