@@ -22,7 +22,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 import psycopg
@@ -124,6 +124,8 @@ def create_blueprint(settings: Settings, redis: Redis, user: str) -> Blueprint:
 
     def page(template: str, **values: Any) -> str:
         return render_template(f"console/{template}", pages=PAGES, **values)
+
+    console.add_app_template_filter(_utc, "utc")
 
     @console.errorhandler(BadRequest)
     def bad_request(exc: BadRequest) -> tuple[str, int]:
@@ -312,6 +314,11 @@ def _trace_link(conn: psycopg.Connection[Row], kind: str, object_id: str) -> dic
     if tenant_id is None or event_id is None:
         return None
     return {"tenant": tenant_id, "event": event_id}
+
+
+def _utc(value: datetime) -> str:
+    """A time as the pages show it: to the second, in UTC."""
+    return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
 def _cursor(cursor: Cursor | None) -> dict[str, Any]:

@@ -34,6 +34,7 @@ rq-dashboard 0.9 as shipped does not fit payhook, so this module wraps it:
 | `PAYHOOK_DASHBOARD_USER` | payhook | basic-auth user |
 | `PAYHOOK_DASHBOARD_PASSWORD` | (none) | basic-auth password; required off loopback |
 
+Under the same login, `/console/` is payhook's own state (`control.console`).
 `GET /healthz` answers without credentials; `GET /metrics` (with them) exports
 the alert signals (`control.alerts`) for Prometheus.
 """
@@ -151,6 +152,12 @@ JOBS_PAGE = """{% extends "shipped/rq_dashboard/jobs.html" %}
 {{ super() }}
 {% endblock %}
 """
+#: rq-dashboard's navigation bar, under a link to payhook's console.
+NAVBAR = """<div style="padding: .4rem 1rem; background: #1b1f24;">
+<a href="{{ url_for('console.exceptions') }}" style="color: #fff;">payhook console:
+exceptions, anomalies, outbox, orders, reconciliation</a></div>
+{% include "shipped/rq_dashboard/navbar.html" %}
+"""
 #: Paths answered without credentials.
 PUBLIC_PATHS = frozenset({"/healthz"})
 #: Milliseconds between two refreshes of a dashboard page.
@@ -242,7 +249,7 @@ def create_app(settings: Settings, user: str, password: str) -> Flask:
     # "shipped/<name>" for these to extend.
     app.jinja_loader = ChoiceLoader(
         [
-            DictLoader({"rq_dashboard/jobs.html": JOBS_PAGE}),
+            DictLoader({"rq_dashboard/jobs.html": JOBS_PAGE, "rq_dashboard/navbar.html": NAVBAR}),
             PrefixLoader({"shipped": web.blueprint.jinja_loader}),
         ]
     )

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import subprocess
-import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,8 +17,6 @@ from redis import Redis
 from rq.job import Job, JobStatus
 from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
-from selenium import webdriver
-from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support.ui import WebDriverWait
@@ -31,8 +27,6 @@ from tests.conftest import PG_SERVER
 from tests.factories import Factory, StandardEvent
 from tests.processes import process_env, start, stop, wait_until
 
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMEDRIVER = Path("/usr/bin/chromedriver")
 #: Set PAYHOOK_SCREENSHOT=docs/dashboard.png to refresh the README's picture.
 SCREENSHOT = os.environ.get("PAYHOOK_SCREENSHOT")
 USER, PASSWORD = "payhook", "browser-test-password"
@@ -45,34 +39,6 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
-
-
-@pytest.fixture
-def browser() -> Iterator[WebDriver]:
-    for path in (CHROMIUM, CHROMEDRIVER):
-        assert path.exists(), f"{path} is missing: run scripts/browser.sh (make test does)"
-    profile = tempfile.mkdtemp(prefix="payhook-chromium-")
-    options = webdriver.ChromeOptions()
-    options.binary_location = str(CHROMIUM)
-    for flag in (
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-quic",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        "--window-size=1280,900",
-        f"--user-data-dir={profile}",
-    ):
-        options.add_argument(flag)
-    driver = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)
-    try:
-        yield driver
-    finally:
-        driver.quit()
-        shutil.rmtree(profile, ignore_errors=True)
 
 
 @pytest.fixture

@@ -8,7 +8,6 @@ import html
 import re
 import time
 import uuid
-from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
 import psycopg
@@ -98,6 +97,8 @@ def test_every_page_and_action_needs_the_credentials(client: FlaskClient) -> Non
     for path in ("/console/exceptions/1/replay", "/console/outbox/x/redeliver"):
         assert client.post(path).status_code == 401
     assert client.get("/console/", headers=AUTH).status_code == 302
+    # One login: the queues' pages link to the console.
+    assert 'href="/console/exceptions"' in get(client, "/")
 
 
 def test_a_mismatched_event_is_dry_run_fixed_and_replayed_from_the_console(
