@@ -65,6 +65,12 @@ def follow(browser: WebDriver, text: str) -> None:
     WebDriverWait(browser, 30).until(lambda b: _gone(link))
 
 
+def delivered(browser: WebDriver) -> bool:
+    """Reload the trace; whether its outbox row is delivered."""
+    browser.refresh()
+    return "delivered" in browser.find_element(By.ID, "outbox").text
+
+
 def _gone(element: WebElement) -> bool:
     try:
         element.is_enabled()
@@ -136,11 +142,7 @@ def test_an_operator_fixes_a_mismatched_payment_from_the_console(
 
             # The trace shows the transition, the delivered fulfilment and who did what.
             follow(browser, event.event_id)
-            WebDriverWait(browser, 60, poll_frequency=0.5).until(
-                lambda b: (
-                    (b.refresh() or True) and "delivered" in b.find_element(By.ID, "outbox").text
-                )
-            )
+            WebDriverWait(browser, 60, poll_frequency=0.5).until(delivered)
             assert "pending → paid" in browser.find_element(By.ID, "transitions").text
             actions = browser.find_element(By.ID, "operator-actions").text
             assert actions.count(f"by {USER} (dashboard)") == 3
