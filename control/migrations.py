@@ -120,18 +120,20 @@ def list_migrations(folder: Path | None = None) -> list[Migration]:
 
 
 def ensure_database(settings: Settings) -> bool:
-    """Create the database named by DATABASE_URL when it is missing; True if created."""
-    info = psycopg.conninfo.conninfo_to_dict(settings.database_url)
+    """Create the database named by the direct URL (`Settings.direct_url`)
+    when it is missing; True if created."""
+    url = settings.direct_url
+    info = psycopg.conninfo.conninfo_to_dict(url)
     dbname = str(info.get("dbname") or "")
     if not dbname:
         return False
     try:
-        psycopg.connect(settings.database_url, connect_timeout=5).close()
+        psycopg.connect(url, connect_timeout=5).close()
         return False
     except psycopg.OperationalError as exc:
         if "does not exist" not in str(exc):
             raise
-    admin = psycopg.conninfo.make_conninfo(settings.database_url, dbname="postgres")
+    admin = psycopg.conninfo.make_conninfo(url, dbname="postgres")
     with psycopg.connect(admin, autocommit=True, connect_timeout=5) as conn:
         try:
             conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(dbname)))

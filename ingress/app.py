@@ -38,6 +38,7 @@ class Ingress:
                 settings.database_url,
                 Keyring.from_settings(settings),
                 role=settings.database_role,
+                pooled=settings.database_pooler == "transaction",
             )
         self.refresher = Refresher(
             self.cache, load_endpoints, settings.endpoint_refresh, on_result=self._count_refresh

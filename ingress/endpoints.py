@@ -84,9 +84,11 @@ class PostgresEndpoints:
         keyring: Keyring,
         full_reload: float = FULL_RELOAD,
         role: str = DEFAULT_DATABASE_ROLE,
+        pooled: bool = False,
     ) -> None:
         self._url = database_url
         self._role = role
+        self._pooled = pooled
         self._keyring = keyring
         self._full_reload = full_reload
         self._conn: psycopg.AsyncConnection[psycopg.rows.DictRow] | None = None
@@ -106,7 +108,9 @@ class PostgresEndpoints:
                 self._conn = await psycopg.AsyncConnection.connect(
                     self._url,
                     **(
-                        connection_kwargs("ingress", self._url, role=self._role)
+                        connection_kwargs(
+                            "ingress", self._url, role=self._role, pooled=self._pooled
+                        )
                         | {"row_factory": dict_row}
                     ),
                 )

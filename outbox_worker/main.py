@@ -95,13 +95,22 @@ def run(settings: Settings, once: bool = False) -> int:
     client = build_client(config)
 
     def listen() -> psycopg.Connection[Row]:
-        return connect(settings, "outbox-listen")
+        # A session of its own: past a transaction pooler, the direct URL's.
+        return connect(settings, "outbox-listen", direct=True)
+
+    listening = not once
+    if settings.database_pooler == "transaction" and settings.database_direct_url is None:
+        # LISTEN needs a session of its own: polling alone finds due rows.
+        log.warning(
+            "outbox_listen_off", reason="transaction pooler, no direct URL", poll=config.poll
+        )
+        listening = False
 
     # Only for the commit-to-delivery histogram (`payhook.flow`): deliveries
     # never wait for Redis, and go on without it.
     redis = Redis.from_url(settings.redis_url, socket_timeout=2, socket_connect_timeout=2)
     worker = Worker(
-        pool, client, config, keyring=keyring, listen=None if once else listen, redis=redis
+        pool, client, config, keyring=keyring, listen=listen if listening else None, redis=redis
     )
 
     stopped_by: list[str] = []

@@ -11,6 +11,7 @@ from typing import Any
 from uuid import UUID
 
 import psycopg
+import structlog
 from psycopg import pq
 from psycopg.abc import AdaptContext, Buffer
 from psycopg.adapt import Loader
@@ -19,9 +20,11 @@ from psycopg.rows import dict_row
 from psycopg.types.datetime import TimestamptzLoader
 from psycopg_pool import ConnectionPool
 
-from payhook.errors import DatabaseRoleError
+from payhook.errors import DatabaseRoleError, PoolerError
 from payhook.queries import query
-from payhook.settings import Settings
+from payhook.settings import DEFAULT_DATABASE_ROLE, Settings
+
+log = structlog.get_logger(__name__)
 
 #: Seconds a new connection may take before the pool gives up on it.
 CONNECT_TIMEOUT = 5
@@ -60,6 +63,7 @@ def connection_kwargs(
     settings: Mapping[str, str] | None = None,
     *,
     role: str | None = None,
+    pooled: bool = False,
 ) -> dict[str, Any]:
     """Options for every connection a payhook process holds to `url`, with
     `SESSION_SETTINGS` and `settings` after any `options` the URL gives.
@@ -67,20 +71,30 @@ def connection_kwargs(
     With `role`, the connection works as that role from its start (the
     server's `role` setting, as `SET ROLE` would): `payhook_app`, under
     row-level security, for everything but the owner's commands.
+
+    `pooled`: `url` reaches PostgreSQL through a pooler in transaction mode,
+    which hands each transaction to any of its server sessions. Nothing
+    session-wide is sent (a pooler refuses startup options, and a `SET`
+    would stay on a session other clients get next): the session settings
+    are the login role's (`ALTER ROLE ... SET`, docs/scaling.md), and
+    statements are never prepared on the server, where the next
+    transaction may not find them.
     """
     given = conninfo_to_dict(url)
+    common = {
+        "autocommit": True,
+        "row_factory": dict_row,
+        "application_name": f"{APPLICATION_NAME}-{component}",
+        "connect_timeout": CONNECT_TIMEOUT,
+    } | {name: value for name, value in KEEPALIVES.items() if name not in given}
+    if pooled:
+        return common | {"prepare_threshold": None}
     options = [str(given["options"])] if given.get("options") else []
     extra = {"role": role} if role else {}
     for name, value in (SESSION_SETTINGS | extra | dict(settings or {})).items():
         escaped = value.replace("\\", "\\\\").replace(" ", "\\ ")
         options.append(f"-c {name}={escaped}")
-    return {
-        "autocommit": True,
-        "row_factory": dict_row,
-        "application_name": f"{APPLICATION_NAME}-{component}",
-        "connect_timeout": CONNECT_TIMEOUT,
-        "options": " ".join(options),
-    } | {name: value for name, value in KEEPALIVES.items() if name not in given}
+    return common | {"options": " ".join(options)}
 
 
 def create_pool(
@@ -100,8 +114,11 @@ def create_pool(
     if statement_timeout is not None:
         ms = str(max(1, int(statement_timeout * 1000)))
         timeouts = {"statement_timeout": ms, "idle_in_transaction_session_timeout": ms}
+    pooled = settings.database_pooler == "transaction"
+    if pooled and timeouts:
+        log.info("session_settings_from_role", component=component, unsent=sorted(timeouts))
     kwargs = connection_kwargs(
-        component, settings.database_url, timeouts, role=settings.database_role
+        component, settings.database_url, timeouts, role=settings.database_role, pooled=pooled
     )
     return ConnectionPool(
         settings.database_url,
@@ -117,18 +134,44 @@ def create_pool(
 
 
 def connect(
-    settings: Settings, component: str = "cli", *, owner: bool = False, **overrides: Any
+    settings: Settings,
+    component: str = "cli",
+    *,
+    owner: bool = False,
+    direct: bool = False,
+    **overrides: Any,
 ) -> psycopg.Connection[Row]:
     """One connection, for commands and tests, as `settings.database_role`
     (under row-level security) unless `owner`: as the role the URL logs in
-    as, for the commands that change the schema or every tenant's secrets."""
+    as, for the commands that change the schema or every tenant's secrets.
+
+    `owner`, `direct` and session `options` connect through
+    `PAYHOOK_DATABASE_DIRECT_URL` when it is set: a session of their own,
+    past any pooler (a lock held across transactions, LISTEN, settings).
+    Behind a transaction pooler without it, `direct` and `options` are
+    refused (`PoolerError`).
+    """
+    url, pooled = settings.database_url, settings.database_pooler == "transaction"
     role = None if owner else settings.database_role
-    kwargs = connection_kwargs(component, settings.database_url, role=role)
+    # Session options, like a lock across transactions, need a session of its own.
+    session = direct or "options" in overrides
+    if (owner or session) and settings.database_direct_url:
+        url, pooled = settings.database_direct_url, False
+        if not owner and settings.database_pooler == "transaction":
+            # The direct URL may log in as the owner: work under row-level
+            # security all the same, as the pooled connections do.
+            role = DEFAULT_DATABASE_ROLE
+    elif session and pooled:
+        raise PoolerError(
+            f"{component} needs a session of its own, which a transaction pooler does not "
+            "give: set PAYHOOK_DATABASE_DIRECT_URL to reach PostgreSQL itself"
+        )
+    kwargs = connection_kwargs(component, url, role=role, pooled=pooled)
     if "options" in overrides:
         # After the role and session settings, never instead of them.
         kwargs["options"] = f"{kwargs['options']} {overrides.pop('options')}"
     try:
-        return psycopg.connect(settings.database_url, **(kwargs | overrides))
+        return psycopg.connect(url, **(kwargs | overrides))
     except psycopg.OperationalError as exc:
         if role and role_refused(exc, role):
             raise DatabaseRoleError(role) from exc

@@ -25,6 +25,10 @@ class DatabaseRoleError(SettingsError):
         )
 
 
+class PoolerError(SettingsError):
+    """What a connection needs cannot pass the transaction pooler in between."""
+
+
 class QueryFileError(PayhookError):
     """A named-query file is malformed."""
 

@@ -27,6 +27,12 @@ DEFAULT_DATABASE_URL = "postgresql://postgres@127.0.0.1:5432/payhook"
 DEFAULT_DATABASE_ROLE = "payhook_app"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_QUEUE = "payhook-events"
+#: Settings whose values never show in a repr of the settings.
+SECRET_SETTINGS = frozenset(
+    {"PAYHOOK_SECRETS_KEY", "PAYHOOK_DATABASE_DIRECT_URL", "PAYHOOK_DASHBOARD_PASSWORD"}
+)
+#: What may stand between payhook and PostgreSQL (`PAYHOOK_DATABASE_POOLER`).
+POOLERS = ("none", "transaction")
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
@@ -103,6 +109,14 @@ class Settings:
     #: (`PAYHOOK_DATABASE_ROLE`): row-level security applies to it. Empty:
     #: the role the URL logs in as, which must then be subject to it too.
     database_role: str = DEFAULT_DATABASE_ROLE
+    #: `transaction` when `database_url` reaches PostgreSQL through a pooler
+    #: in transaction mode (PgBouncer): no server-side prepared statements,
+    #: no session options (`PAYHOOK_DATABASE_POOLER`; `none` by default).
+    database_pooler: str = "none"
+    #: A URL reaching PostgreSQL itself, for what needs a session of its
+    #: own past a pooler: migrations, the owner's commands, the outbox
+    #: worker's LISTEN (`PAYHOOK_DATABASE_DIRECT_URL`).
+    database_direct_url: str | None = None
     redis_url: str = DEFAULT_REDIS_URL
     queue: str = DEFAULT_QUEUE
     #: Environment name of the process, for logs (`PAYHOOK_ENV`).
@@ -168,6 +182,22 @@ class Settings:
         _check_url("DATABASE_URL", values["database_url"], ("postgresql://", "postgres://"))
         if "PAYHOOK_DATABASE_ROLE" in environ:
             values["database_role"] = _role_name(environ["PAYHOOK_DATABASE_ROLE"])
+        pooler = environ.get("PAYHOOK_DATABASE_POOLER", "").strip() or "none"
+        if pooler not in POOLERS:
+            raise SettingsError(
+                f"PAYHOOK_DATABASE_POOLER: expected none or transaction, got {pooler!r}"
+            )
+        values["database_pooler"] = pooler
+        if pooler == "transaction" and values.get("database_role", DEFAULT_DATABASE_ROLE):
+            raise SettingsError(
+                "PAYHOOK_DATABASE_POOLER=transaction: a pooler passes no role to switch to; "
+                "log in as a role that is a member of payhook_app and set "
+                "PAYHOOK_DATABASE_ROLE to empty"
+            )
+        if environ.get("PAYHOOK_DATABASE_DIRECT_URL"):
+            direct = Secret(environ["PAYHOOK_DATABASE_DIRECT_URL"])
+            _check_url("PAYHOOK_DATABASE_DIRECT_URL", direct, ("postgresql://", "postgres://"))
+            values["database_direct_url"] = direct
         _check_url("REDIS_URL", values["redis_url"], ("redis://", "rediss://", "unix://"))
         ints = {
             "db_pool_size": "PAYHOOK_DB_POOL_SIZE",
@@ -209,13 +239,20 @@ class Settings:
         values["env"] = environ.get("PAYHOOK_ENV", "dev")
         faults = environ.get("PAYHOOK_FAULTS", "")
         values["faults"] = frozenset(f.strip() for f in faults.split(",") if f.strip())
-        # A key-encryption key (payhook.sealing) must not show in a repr of the settings.
+        # A key-encryption key (payhook.sealing), a URL with its password, a
+        # password: none may show in a repr of the settings.
         values["extra"] = {
-            k: Secret(v) if k == "PAYHOOK_SECRETS_KEY" else v
+            k: Secret(v) if k in SECRET_SETTINGS else v
             for k, v in environ.items()
             if k.startswith("PAYHOOK_")
         }
         return cls(**values)
+
+    @property
+    def direct_url(self) -> str:
+        """The URL reaching PostgreSQL itself: `PAYHOOK_DATABASE_DIRECT_URL`,
+        else `DATABASE_URL`."""
+        return self.database_direct_url or self.database_url
 
     def get(self, name: str, default: str | None = None) -> str | None:
         """A `PAYHOOK_*` variable not modelled above."""

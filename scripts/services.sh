@@ -34,6 +34,16 @@ if ! command -v redis-server >/dev/null; then
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
 fi
 
+# The scale-out tests start their own: PgBouncer in front of PostgreSQL, and
+# Redis Sentinels watching a master and its replica.
+missing=()
+[ -x /usr/sbin/pgbouncer ] || missing+=(pgbouncer)
+command -v redis-sentinel >/dev/null || missing+=(redis-sentinel)
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "services: installing ${missing[*]} from Debian packages" >&2
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
 if ! pg_up; then
   echo "services: starting PostgreSQL on $PGHOST:$PGPORT" >&2
   # A Debian cluster on this port, if there is one and it starts; else our own.

@@ -173,6 +173,66 @@ class RedisServer:
             self.process = None
 
 
+class PgBouncer:
+    """Debian's PgBouncer in transaction mode in front of a `PostgresServer`.
+
+    Clients log in as `USER`, a member of payhook_app made by `create_user`
+    (trust, as the test cluster); the pooler's server sessions log in the same.
+    """
+
+    BINARY = Path("/usr/sbin/pgbouncer")
+    USER = "payhook_pooled"
+
+    def __init__(self, root: Path, upstream: PostgresServer) -> None:
+        self.dir = root / "pgbouncer"
+        self.upstream = upstream
+        self.port = free_port()
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def url(self, database: str = "payhook") -> str:
+        return f"postgresql://{self.USER}@127.0.0.1:{self.port}/{database}"
+
+    def create_user(self) -> None:
+        with psycopg.connect(self.upstream.url(), autocommit=True) as conn:
+            conn.execute(f"CREATE ROLE {self.USER} LOGIN IN ROLE payhook_app")
+
+    def start(self) -> None:
+        assert self.BINARY.exists(), "pgbouncer is missing: run scripts/services.sh"
+        self.dir.mkdir(exist_ok=True)
+        (self.dir / "userlist.txt").write_text(f'"{self.USER}" ""\n"postgres" ""\n')
+        (self.dir / "pgbouncer.ini").write_text(
+            "[databases]\n"
+            f"* = host=127.0.0.1 port={self.upstream.port}\n"
+            "[pgbouncer]\n"
+            f"listen_addr = 127.0.0.1\nlisten_port = {self.port}\nunix_socket_dir =\n"
+            f"auth_type = trust\nauth_file = {self.dir}/userlist.txt\n"
+            "pool_mode = transaction\nmax_client_conn = 1000\ndefault_pool_size = 40\n"
+            f"logfile = {self.dir}/pgbouncer.log\n"
+        )
+        if os.geteuid() == 0:  # PgBouncer refuses to run as root
+            for path in (self.dir, *self.dir.iterdir()):
+                shutil.chown(path, "postgres")
+        self.process = subprocess.Popen(
+            _as_postgres([str(self.BINARY), str(self.dir / "pgbouncer.ini")]),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        wait_until(self._answers, 10, "pgbouncer to answer")
+
+    def _answers(self) -> bool:
+        try:
+            psycopg.connect(self.url(), connect_timeout=1, prepare_threshold=None).close()
+        except psycopg.OperationalError:
+            return False
+        return True
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.terminate()
+            self.process.wait(timeout=10)
+            self.process = None
+
+
 def _pings(client: Redis) -> bool:
     try:
         return bool(client.ping())
@@ -190,9 +250,13 @@ class Stack:
     consumers: list[subprocess.Popen[bytes]] = field(default_factory=list)
     outbox: list[subprocess.Popen[bytes]] = field(default_factory=list)
     extra_env: dict[str, str] = field(default_factory=dict)
+    #: Every process's DATABASE_URL goes through PgBouncer in transaction
+    #: mode; migrations and LISTEN take the direct URL.
+    pooled: bool = False
 
     def __post_init__(self) -> None:
         self.pg = PostgresServer(self.root)
+        self.pgbouncer = PgBouncer(self.root, self.pg)
         self.redis = RedisServer(self.root)
         self.receiver = Receiver(self.root / "receiver")
         self.logs = self.root / "logs"
@@ -208,9 +272,19 @@ class Stack:
                 "REDIS_URL": self.redis.url,
                 "PAYHOOK_SECRETS_KEY": TEST_SECRETS_KEY,
             }
+            | (self.pooled_env if self.pooled else {})
             | FAST
             | self.extra_env
         )
+
+    @property
+    def pooled_env(self) -> dict[str, str]:
+        return {
+            "DATABASE_URL": self.pgbouncer.url(),
+            "PAYHOOK_DATABASE_POOLER": "transaction",
+            "PAYHOOK_DATABASE_ROLE": "",
+            "PAYHOOK_DATABASE_DIRECT_URL": self.pg.url(),
+        }
 
     @property
     def settings(self) -> Settings:
@@ -227,6 +301,9 @@ class Stack:
             [*_payhook(), "migrate"], env=self.env, capture_output=True, text=True, timeout=60
         )
         assert migrate.returncode == 0, migrate.stderr
+        if self.pooled:
+            self.pgbouncer.create_user()
+            self.pgbouncer.start()
         for _ in range(ingresses):
             self.start_ingress()
         for _ in range(consumers):
@@ -286,6 +363,7 @@ class Stack:
             stop(proc)
         self.receiver.stop()
         self.redis.kill(signal.SIGTERM)
+        self.pgbouncer.stop()
         self.pg.stop()
 
     def alive(self, procs: list[subprocess.Popen[bytes]]) -> list[subprocess.Popen[bytes]]:
@@ -390,10 +468,10 @@ def _ready(port: int) -> bool:
 
 
 @contextmanager
-def running_stack(**start_args: int) -> Iterator[Stack]:
+def running_stack(*, pooled: bool = False, **start_args: int) -> Iterator[Stack]:
     root = Path(tempfile.mkdtemp(prefix="payhook-e2e-", dir="/tmp"))
     root.chmod(0o755)
-    stack = Stack(root)
+    stack = Stack(root, pooled=pooled)
     try:
         yield stack.start(**start_args)
     finally:
