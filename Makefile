@@ -26,9 +26,11 @@ $(VENV)/.installed: pyproject.toml
 services:
 	scripts/services.sh
 
-# Chromium, chromedriver and promtool for the dashboard and alert-rule tests.
+# Chromium, chromedriver and promtool for the dashboard and alert-rule tests;
+# kubectl (its kustomize) for the Kubernetes manifests' offline validation.
 browser:
 	scripts/browser.sh
+	scripts/kubectl.sh
 
 lint: install
 	$(BIN)/ruff check .
