@@ -337,8 +337,6 @@ def cmd_retention(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_reconcile(args: argparse.Namespace, settings: Settings) -> int:
     from datetime import timedelta
 
-    from redis import Redis
-
     from control import reconcile
     from payhook.db import connect
     from payhook.sealing import Keyring
@@ -350,6 +348,8 @@ def cmd_reconcile(args: argparse.Namespace, settings: Settings) -> int:
         return reconcile.run_scheduled(settings, since, keyring)
     if (args.endpoint is None) == (not args.all):
         raise PayhookError("reconcile: name --endpoint ID, or --all")
+    from payhook.queue import redis_connection
+
     with connect(settings) as conn:
         if args.runs:
             if args.endpoint is None:
@@ -357,7 +357,7 @@ def cmd_reconcile(args: argparse.Namespace, settings: Settings) -> int:
             for row in reconcile.runs(conn, args.endpoint, args.limit):
                 print(json.dumps(row))
             return 0
-        redis = Redis.from_url(settings.redis_url)
+        redis = redis_connection(settings, timeout=10)
         try:
             if args.all:
                 done = reconcile.reconcile_all(

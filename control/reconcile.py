@@ -45,7 +45,7 @@ from payhook.errors import GatewayUnavailable, NotFound, PayhookError, RateLimit
 from payhook.gateways import GATEWAYS, get_gateway
 from payhook.gateways.base import Config, EventSource
 from payhook.gateways.storable import storable_event_id
-from payhook.queue import enqueue_event, events_queue
+from payhook.queue import enqueue_event, events_queue, redis_connection
 from payhook.sealing import Keyring
 from payhook.settings import Settings, positive_duration
 
@@ -296,7 +296,7 @@ def run_scheduled(settings: Settings, since: timedelta, keyring: Keyring) -> int
     while not stop.is_set():
         try:
             with connect(settings) as conn:
-                redis = Redis.from_url(settings.redis_url)
+                redis = redis_connection(settings, timeout=10)
                 try:
                     reconcile_all(conn, redis, settings, since, keyring=keyring)
                 finally:

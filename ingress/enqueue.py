@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.asyncio.connection import AbstractConnection, BlockingConnectionPool, ConnectionPool
+from redis.asyncio.connection import AbstractConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -46,7 +46,8 @@ from ingress.jobs import JobTemplate, PackedJob, pack_jobs
 from payhook.compat import writer_of
 from payhook.envelope import Envelope
 from payhook.errors import PayhookError
-from payhook.settings import Settings
+from payhook.redis_client import async_pool
+from payhook.settings import Settings, positive_int
 
 #: Jobs that make a batch before the event loop's turn ends. Measured side by
 #: side under wrk (32 connections): 16 beat 8, 24 and no limit, and every one
@@ -67,6 +68,10 @@ class EnqueueFailed(PayhookError):
     """Redis did not accept the job."""
 
 
+class NotReplicated(RedisError):
+    """Fewer replicas than `PAYHOOK_ENQUEUE_REPLICAS` confirmed a batch in time."""
+
+
 #: A request waiting for Redis: its job, its future, its deadline (loop time).
 Waiting = tuple[PackedJob, "asyncio.Future[None]", float]
 
@@ -84,10 +89,15 @@ class JobWriter:
         connect: Callable[[], AbstractConnection],
         timeout: float,
         batch_size: int = BATCH_SIZE,
+        replicas: int = 0,
     ) -> None:
         self._new_connection = connect
         self._timeout = timeout
         self._batch_size = batch_size
+        #: Replicas that must hold a batch before its requests are answered:
+        #: each batch is followed by `WAIT replicas ms` on its connection.
+        self._replicas = replicas
+        self._wait = _wait_command(replicas, timeout) if replicas else b""
         #: Requests not yet sent, then the batches whose replies are awaited,
         #: oldest first: both in order of arrival, so of deadline, the
         #: timeout being the same.
@@ -143,7 +153,7 @@ class JobWriter:
             if not batch:
                 continue
             try:
-                _send_now(connection, pack_jobs([entry[0] for entry in batch]))
+                _send_now(connection, pack_jobs([entry[0] for entry in batch]) + self._wait)
             except Exception as exc:
                 _settle_all(batch, exc)
                 self._drop(connection, exc)
@@ -184,6 +194,15 @@ class JobWriter:
                 await connection.read_response(timeout=math.inf)
                 if not self._in_flight:
                     raise RedisConnectionError("Redis replied to nothing the writer sent")
+                if self._replicas:
+                    # The batch's WAIT: how many replicas hold it (and all before it).
+                    held = await connection.read_response(timeout=math.inf)
+                    if not isinstance(held, int) or held < self._replicas:
+                        error = NotReplicated(
+                            f"{held} of {self._replicas} replica(s) confirmed the job in time"
+                        )
+                        _settle_all(self._in_flight.popleft(), error)
+                        continue
                 _settle_all(self._in_flight.popleft(), None)
         except asyncio.CancelledError:
             # Dropped by the writer (a late reply, shutdown), which answered its batches.
@@ -253,6 +272,13 @@ class JobWriter:
         self._waiting, self._in_flight = [], deque()
 
 
+def _wait_command(replicas: int, timeout: float) -> bytes:
+    """`WAIT replicas ms`, as the writer appends it to each batch: half the
+    request's timeout, so its own reply comes before the request gives up."""
+    args = [b"WAIT", str(replicas).encode(), str(max(1, int(timeout * 500))).encode()]
+    return b"*3\r\n" + b"".join(b"$%d\r\n%s\r\n" % (len(arg), arg) for arg in args)
+
+
 def _send_now(connection: AbstractConnection, data: bytes) -> None:
     """Hand `data` to the connection's transport in this turn of the event loop.
 
@@ -316,6 +342,15 @@ async def _disconnect(connection: AbstractConnection) -> None:
         await connection.disconnect()
 
 
+def enqueue_replicas(settings: Settings) -> int:
+    """`PAYHOOK_ENQUEUE_REPLICAS`: replicas that must confirm a job before
+    its request is answered 2xx (0, the default: the master's reply)."""
+    raw = settings.get("PAYHOOK_ENQUEUE_REPLICAS")
+    if raw is None or raw.strip() == "":
+        return 0
+    return positive_int("PAYHOOK_ENQUEUE_REPLICAS", raw.strip(), minimum=0)
+
+
 class Enqueuer:
     """The ingress's side of the events queue: enqueue, ping, depth."""
 
@@ -336,16 +371,19 @@ class Enqueuer:
             # connection at all times and sees it closed at once.)
             "maint_notifications_config": MaintNotificationsConfig(enabled=False),
         }
-        # The pool only makes the writer's connection, of the URL's class and options.
+        # The pool only makes the writer's connection, of the URL's class and
+        # options, or one that asks the Sentinels where the master is.
         self.writer = JobWriter(
-            ConnectionPool.from_url(settings.redis_url, **options).make_connection,
+            async_pool(settings, **options).make_connection,
             settings.enqueue_timeout,
+            replicas=enqueue_replicas(settings),
         )
-        # Probes beyond the pool's size wait for a connection, then time out.
-        self._probes = BlockingConnectionPool.from_url(
-            settings.redis_url,
+        # Probes beyond the pool's size wait for a connection, then time out
+        # (or, through Sentinels, fail at once).
+        self._probes = async_pool(
+            settings,
             max_connections=PROBE_CONNECTIONS,
-            timeout=settings.enqueue_timeout,
+            blocking_timeout=settings.enqueue_timeout,
             **options,
         )
         self.redis = aioredis.Redis(connection_pool=self._probes)

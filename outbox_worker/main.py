@@ -13,7 +13,6 @@ from typing import TypeVar
 import httpx
 import psycopg
 import structlog
-from redis import Redis
 
 from outbox_worker import deadline, egress
 from outbox_worker.config import OutboxSettings
@@ -21,6 +20,7 @@ from outbox_worker.loop import Worker
 from payhook.db import Row, connect, create_pool, error_summary
 from payhook.destinations import describe
 from payhook.logs import configure_logging
+from payhook.redis_client import sync_client
 from payhook.sealing import Keyring, require_key
 from payhook.settings import Settings
 
@@ -108,7 +108,7 @@ def run(settings: Settings, once: bool = False) -> int:
 
     # Only for the commit-to-delivery histogram (`payhook.flow`): deliveries
     # never wait for Redis, and go on without it.
-    redis = Redis.from_url(settings.redis_url, socket_timeout=2, socket_connect_timeout=2)
+    redis = sync_client(settings, socket_timeout=2, socket_connect_timeout=2)
     worker = Worker(
         pool, client, config, keyring=keyring, listen=listen if listening else None, redis=redis
     )

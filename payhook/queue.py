@@ -17,6 +17,7 @@ from rq.serializers import JSONSerializer
 from payhook.envelope import Envelope
 from payhook.errors import UnreadableJob
 from payhook.jobhash import check_job_hash, data_bound
+from payhook.redis_client import sync_client
 from payhook.settings import Settings
 
 #: Import path of the only function a consumer runs.
@@ -45,8 +46,9 @@ class ReadableJob(Job):
 
 
 def redis_connection(settings: Settings, *, timeout: float | None = None) -> Redis:
-    return Redis.from_url(
-        settings.redis_url,
+    """A client of the queue's Redis (`payhook.redis_client`: a URL, or Sentinels)."""
+    return sync_client(
+        settings,
         socket_timeout=timeout,
         socket_connect_timeout=timeout or 5,
         health_check_interval=30,

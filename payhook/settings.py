@@ -29,7 +29,12 @@ DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_QUEUE = "payhook-events"
 #: Settings whose values never show in a repr of the settings.
 SECRET_SETTINGS = frozenset(
-    {"PAYHOOK_SECRETS_KEY", "PAYHOOK_DATABASE_DIRECT_URL", "PAYHOOK_DASHBOARD_PASSWORD"}
+    {
+        "PAYHOOK_SECRETS_KEY",
+        "PAYHOOK_DATABASE_DIRECT_URL",
+        "PAYHOOK_DASHBOARD_PASSWORD",
+        "PAYHOOK_REDIS_SENTINEL_PASSWORD",
+    }
 )
 #: What may stand between payhook and PostgreSQL (`PAYHOOK_DATABASE_POOLER`).
 POOLERS = ("none", "transaction")

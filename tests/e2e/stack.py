@@ -31,7 +31,7 @@ from rq.registry import FailedJobRegistry, ScheduledJobRegistry, StartedJobRegis
 from control import admin
 from payhook.db import Row, connect
 from payhook.gateways.base import NO_CONFIG, Config
-from payhook.queue import events_queue
+from payhook.queue import events_queue, redis_connection
 from payhook.sealing import Keyring
 from payhook.settings import Settings
 from tests.factories import LOCAL_RECEIVER_SETTINGS, LOCAL_RECEIVERS, TEST_SECRETS_KEY, Shop
@@ -253,6 +253,9 @@ class Stack:
     #: Every process's DATABASE_URL goes through PgBouncer in transaction
     #: mode; migrations and LISTEN take the direct URL.
     pooled: bool = False
+    #: Start the stack's own Redis; False when `extra_env` names another
+    #: (Sentinels, `tests.e2e.sentinels`).
+    own_redis: bool = True
 
     def __post_init__(self) -> None:
         self.pg = PostgresServer(self.root)
@@ -295,7 +298,8 @@ class Stack:
     def start(self, ingresses: int = 2, consumers: int = 3, outbox_workers: int = 1) -> Stack:
         self.pg.init()
         self.pg.start()
-        self.redis.start()
+        if self.own_redis:
+            self.redis.start()
         self.receiver.start()
         migrate = subprocess.run(
             [*_payhook(), "migrate"], env=self.env, capture_output=True, text=True, timeout=60
@@ -414,8 +418,12 @@ class Stack:
 
     # -- waiting -----------------------------------------------------------
 
+    def redis_client(self) -> Redis:
+        """A client of the stack's Redis, wherever the settings say it is now."""
+        return redis_connection(self.settings, timeout=5)
+
     def failed_jobs(self) -> int:
-        client = Redis.from_url(self.redis.url)
+        client = self.redis_client()
         try:
             return FailedJobRegistry(queue=events_queue(client, self.settings)).count
         finally:
@@ -428,7 +436,7 @@ class Stack:
         intermediate list until a maintenance pass (after a minute) sends it
         back through the retry path.
         """
-        client = Redis.from_url(self.redis.url)
+        client = self.redis_client()
         try:
             queue = events_queue(client, self.settings)
             left = {
