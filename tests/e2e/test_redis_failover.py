@@ -203,6 +203,12 @@ def test_a_202_waits_for_the_replicas_it_is_told_to() -> None:
         replica.start(replica_of=master.port)
         wait_until(lambda: master_replicas(master) == 1, 20, "the replica to sync")
         assert send(stack.url(shop), alone, shop.secret) == 202
+        # An ingress whose Redis is a replica (a master demoted under it) is
+        # answered READONLY: 503, never 202, and nothing is queued.
+        port = stack.start_ingress(REDIS_URL=f"redis://127.0.0.1:{replica.port}/0")
+        demoted = StandardEvent(merchant_reference=None, gateway_order_id="pi_demoted")
+        url = f"http://127.0.0.1:{port}/webhooks/{shop.endpoint_id}"
+        assert send(url, demoted, shop.secret) == 503
         stack.settle(timeout=60)
         assert sorted(receipts(stack)) == sorted([held.event_id, alone.event_id])
     finally:
