@@ -35,6 +35,10 @@ class Operator:
 COMMAND = Operator()
 
 
+#: Longest note an operator may give (the audit trail keeps it whole).
+MAX_NOTE = 2000
+
+
 class NoteRequired(PayhookError):
     """Closing an exception by hand needs the reason, for the audit trail."""
 
@@ -83,6 +87,8 @@ def resolve_exception(
 
     if not note.strip():
         raise NoteRequired("closing an exception by hand needs a note saying why")
+    if len(note) > MAX_NOTE:
+        raise NoteRequired(f"a note is at most {MAX_NOTE} characters, this one {len(note)}")
     closed = resolve_by_hand(conn, exception_id, tenant_id=tenant_id)
     owner, event_id = audit.event_of(conn, "exception", str(exception_id))
     audit.record(

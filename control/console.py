@@ -32,7 +32,7 @@ from redis import Redis
 from redis.exceptions import RedisError
 from werkzeug.wrappers import Response
 
-from control import actions
+from control import actions, audit
 from control.alerts import AlertSettings
 from control.operations import trace_event
 from control.outbox_admin import NotRetryable
@@ -308,9 +308,7 @@ def create_blueprint(settings: Settings, redis: Redis, user: str) -> Blueprint:
 
 
 def _trace_link(conn: psycopg.Connection[Row], kind: str, object_id: str) -> dict[str, str] | None:
-    from control.audit import event_of
-
-    tenant_id, event_id = event_of(conn, kind, object_id)
+    tenant_id, event_id = audit.event_of(conn, kind, object_id)
     if tenant_id is None or event_id is None:
         return None
     return {"tenant": tenant_id, "event": event_id}

@@ -150,6 +150,7 @@ def test_closing_by_hand_needs_a_note_and_keeps_it(
     token = csrf(client, shop, event)
     path = f"/console/exceptions/{exception_id}/resolve"
     assert "needs a note" in post(client, path, token, status=400, note="  ")
+    assert "at most 2000" in post(client, path, token, status=400, note="x" * 2001)
     assert actions(conn) == []
     note = "refunded the difference by hand, ticket 42"
     assert "is closed" in post(client, path, token, note=note)
