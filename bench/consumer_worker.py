@@ -1,6 +1,9 @@
 """A consumer worker for the benchmark: the real one, or a no-op ceiling.
 
-python -m bench.consumer_worker apply|noop simple|fork [CPU_FILE]
+python -m bench.consumer_worker apply|noop simple|fork|stock [CPU_FILE]
+
+`simple` is payhook's worker (`PayhookWorker`), `fork` RQ's forking `Worker`,
+`stock` RQ's own `SimpleWorker` as shipped (no-op jobs only).
 
 With CPU_FILE, the worker writes there the CPU seconds it spent working
 (dequeueing and running jobs until the queue was empty), start-up excluded.
@@ -15,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from rq.serializers import JSONSerializer
-from rq.worker import Worker
+from rq.worker import BaseWorker, SimpleWorker, Worker
 
 from consumer.applier import Applier
 from consumer.handler import Runtime
@@ -54,14 +57,20 @@ def main(mode: str, kind: str, cpu_file: str | None = None) -> int:
         pool = create_pool(settings, "bench", size=2)
         pool.open(wait=True)
         runtime = Runtime(settings=settings, pool=pool)
-    cls = SimpleBenchWorker if kind == "simple" else ForkingWorker
     connection = redis_connection(settings)
-    worker = cls(
-        [settings.queue] if kind == "simple" else [events_queue(connection, settings)],
-        connection=connection,
-        serializer=JSONSerializer,
-        job_class=BenchJob,
-    )
+    worker: BaseWorker
+    if kind == "stock":
+        if mode != "noop":
+            raise SystemExit("RQ's stock SimpleWorker runs no-op jobs only")
+        worker = SimpleWorker([events_queue(connection, settings)], connection=connection)
+    else:
+        cls = SimpleBenchWorker if kind == "simple" else ForkingWorker
+        worker = cls(
+            [settings.queue] if kind == "simple" else [events_queue(connection, settings)],
+            connection=connection,
+            serializer=JSONSerializer,
+            job_class=BenchJob,
+        )
     worker.log_job_description = False
     if mode == "apply" and isinstance(worker, PayhookWorker):
         worker.applier = Applier(runtime)

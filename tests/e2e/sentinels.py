@@ -19,7 +19,7 @@ from pathlib import Path
 from redis import Redis
 from redis.sentinel import Sentinel
 
-from tests.e2e.stack import free_port
+from tests.e2e.stack import RedisServer, free_port
 from tests.processes import wait_until
 
 MASTER_NAME = "payhook"
@@ -27,53 +27,12 @@ MASTER_NAME = "payhook"
 DOWN_AFTER_MS = 1000
 
 
-class RedisNode:
-    """One redis-server, a master or a replica; killed and started again in place."""
-
-    def __init__(self, root: Path, name: str) -> None:
-        self.dir = root / name
-        self.dir.mkdir(parents=True)
-        self.port = free_port()
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def start(self, replica_of: int | None = None) -> None:
-        command = [
-            "redis-server",
-            "--port", str(self.port),
-            "--bind", "127.0.0.1",
-            "--dir", str(self.dir),
-            "--appendonly", "yes",
-            "--appendfsync", "always",
-            "--save", "",
-            "--logfile", str(self.dir / "redis.log"),
-        ]  # fmt: skip
-        if replica_of is not None:
-            command += ["--replicaof", "127.0.0.1", str(replica_of)]
-        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL)
-        client = Redis(port=self.port, socket_timeout=1)
-        wait_until(lambda: _pings(client), 10, f"redis-server on {self.port}")
-        client.close()
-
-    def kill(self, sig: int = signal.SIGKILL) -> None:
-        if self.process is not None:
-            self.process.send_signal(sig)
-            self.process.wait(timeout=10)
-            self.process = None
-
-    def role(self) -> str:
-        client = Redis(port=self.port, socket_timeout=1)
-        try:
-            return str(client.role()[0], "ascii")
-        finally:
-            client.close()
-
-
 class SentinelGroup:
     """A master, its two replicas and three Sentinels watching them."""
 
     def __init__(self, root: Path) -> None:
         self.root = root / "sentinels"
-        self.nodes = [RedisNode(self.root, name) for name in ("a", "b", "c")]
+        self.nodes = [RedisServer(self.root, name) for name in ("a", "b", "c")]
         self.sentinel_ports = [free_port() for _ in range(3)]
         self.sentinels: list[subprocess.Popen[bytes]] = []
 
@@ -121,12 +80,12 @@ class SentinelGroup:
         except Exception:
             return None
 
-    def master(self) -> RedisNode:
+    def master(self) -> RedisServer:
         port = self.master_port()
         (node,) = [n for n in self.nodes if n.port == port]
         return node
 
-    def replicas_of(self, node: RedisNode) -> int:
+    def replicas_of(self, node: RedisServer) -> int:
         return online_replicas(node.port)
 
     def stop(self) -> None:
@@ -152,10 +111,3 @@ def online_replicas(port: int) -> int:
         for key, value in info.items()
         if key.startswith("slave") and isinstance(value, dict) and value.get("state") == "online"
     )
-
-
-def _pings(client: Redis) -> bool:
-    try:
-        return bool(client.ping())
-    except Exception:
-        return False

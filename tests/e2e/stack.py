@@ -129,10 +129,11 @@ class PostgresServer:
 
 
 class RedisServer:
-    """A Redis of the test's own, with the AOF as compose runs it."""
+    """A Redis of the test's own, with the AOF as compose runs it; a replica
+    of another with `replica_of`."""
 
-    def __init__(self, root: Path) -> None:
-        self.dir = root / "redis"
+    def __init__(self, root: Path, name: str = "redis") -> None:
+        self.dir = root / name
         self.port = free_port()
         self.process: subprocess.Popen[bytes] | None = None
 
@@ -140,30 +141,23 @@ class RedisServer:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def start(self) -> None:
-        self.dir.mkdir(exist_ok=True)
-        self.process = subprocess.Popen(
-            [
-                "redis-server",
-                "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
-                "--dir",
-                str(self.dir),
-                "--appendonly",
-                "yes",
-                "--appendfsync",
-                "always",
-                "--save",
-                "",
-                "--logfile",
-                str(self.dir / "redis.log"),
-            ],
-            stdout=subprocess.DEVNULL,
-        )
-        client = Redis.from_url(self.url)
-        wait_until(lambda: _pings(client), 10, "redis-server to answer")
+    def start(self, replica_of: int | None = None) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        command = [
+            "redis-server",
+            "--port", str(self.port),
+            "--bind", "127.0.0.1",
+            "--dir", str(self.dir),
+            "--appendonly", "yes",
+            "--appendfsync", "always",
+            "--save", "",
+            "--logfile", str(self.dir / "redis.log"),
+        ]  # fmt: skip
+        if replica_of is not None:
+            command += ["--replicaof", "127.0.0.1", str(replica_of)]
+        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL)
+        client = Redis.from_url(self.url, socket_timeout=1)
+        wait_until(lambda: _pings(client), 10, f"redis-server on {self.port} to answer")
         client.close()
 
     def kill(self, sig: int = signal.SIGKILL) -> None:

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.sentinels import RedisNode, SentinelGroup, online_replicas
-from tests.e2e.stack import Stack
+from tests.e2e.sentinels import SentinelGroup, online_replicas
+from tests.e2e.stack import RedisServer, Stack
 from tests.e2e.test_scenarios import send
 from tests.factories import Shop, StandardEvent
 from tests.processes import stop, wait_until
@@ -181,7 +181,7 @@ def test_a_202_waits_for_the_replicas_it_is_told_to() -> None:
     master, and the gateway's retry of it is a duplicate."""
     tmp_path = Path(tempfile.mkdtemp(prefix="payhook-wait-", dir="/tmp"))
     tmp_path.chmod(0o755)  # PostgreSQL runs as its own user
-    master, replica = RedisNode(tmp_path, "master"), RedisNode(tmp_path, "replica")
+    master, replica = RedisServer(tmp_path, "master"), RedisServer(tmp_path, "replica")
     master.start()
     replica.start(replica_of=master.port)
     wait_until(lambda: master_replicas(master) == 1, 20, "the replica to sync")
@@ -218,6 +218,6 @@ def test_a_202_waits_for_the_replicas_it_is_told_to() -> None:
         shutil.rmtree(tmp_path, ignore_errors=True)
 
 
-def master_replicas(node: RedisNode) -> int:
+def master_replicas(node: RedisServer) -> int:
     """Replicas of `node` online: synced, and streaming its writes."""
     return online_replicas(node.port)

@@ -1,0 +1,361 @@
+"""The whole stack end to end, beside stock RQ's no-op ceiling measured in the same run.
+
+    python -m bench.e2e [--consumers 2] [--step 10] [--hold 60] [--latency 30]
+                        [--fsync always|everysec|no] [--memory-events N]
+
+A real ingress (one process), consumers and an outbox worker, against a local
+receiver (`tests/receiver.py`), on this machine; Redis private, with the
+persistence of compose (`appendfsync always`). A load process posts signed
+Standard Webhooks events open loop, each paying an order, at a fixed rate.
+
+1. Stock RQ's no-op ceiling: `rq.SimpleWorker` running no-op jobs of the same
+   shape, as many workers as consumers.
+2. The sustained rate: rates rise step by step (`--step` seconds each) until
+   the backlog (jobs queued or running, outbox rows undelivered) grows past
+   a second's worth; the last rate that kept up is then held `--hold`
+   seconds, and must keep up again (else 15% less is tried). Printed in
+   events per second delivered to the receiver over the hold.
+3. Latency from the ingress accepting a webhook (its 2xx, at the load
+   process) to the receiver getting the fulfilment call: p50, p99 and max, at
+   half the sustained rate and at 10 events/s.
+4. Memory: each consumer's largest RSS over the run; with `--memory-events N`,
+   N more events at half the sustained rate first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+from redis import Redis
+
+from bench.consumer import Meters, fresh_settings, make_events, run_workers
+from bench.services import FSYNC_CHOICES, private_redis, spare_port, wait_for_port
+from control import admin
+from payhook.db import connect
+from payhook.queue import events_queue
+from payhook.settings import Settings
+from tests.factories import LOCAL_RECEIVER_SETTINGS, LOCAL_RECEIVERS, TEST_KEYRING, StandardEvent
+from tests.processes import process_env
+from tests.receiver import Receiver
+
+#: Rates tried in turn, events per second, until one does not keep up.
+LADDER = (20, 40, 60, 80, 100, 125, 150, 175, 200, 240, 280, 330, 400, 480, 560, 650, 750)
+#: Seconds of work a backlog may hold and still count as keeping up.
+BACKLOG_SECONDS = 1.0
+#: Seconds the stack gets after a step to drain what is in flight.
+SETTLE = 3.0
+#: Orders made for the load, at most (one per event).
+MAX_ORDERS = 400_000
+
+
+@dataclass
+class Stack:
+    settings: Settings
+    url: str
+    secret: str
+    tenant_id: str
+    receiver: Receiver
+    consumers: list[subprocess.Popen[bytes]]
+    next_order: int = 0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--consumers", type=int, default=2)
+    parser.add_argument("--step", type=float, default=10.0, help="seconds per rate tried")
+    parser.add_argument("--hold", type=float, default=60.0, help="seconds the rate is held")
+    parser.add_argument("--latency", type=float, default=30.0, help="seconds per latency run")
+    parser.add_argument("--fsync", choices=FSYNC_CHOICES, default="always")
+    parser.add_argument("--memory-events", type=int, default=0)
+    args = parser.parse_args()
+    with private_redis(args.fsync) as (redis_url, _):
+        run(args, redis_url)
+
+
+def run(args: argparse.Namespace, redis_url: str) -> None:
+    settings = fresh_settings(redis_url)
+    redis = Redis.from_url(redis_url)
+    _, envelopes = make_events(settings, 1000)
+    stock = run_workers(
+        settings, redis, envelopes, "noop", "stock", args.consumers, Meters(None, None)
+    )
+    redis.flushdb()
+    print(
+        f"end-to-end benchmark: {os.cpu_count()} cores, 1 ingress, {args.consumers} consumers, "
+        f"1 outbox worker, Redis appendfsync={args.fsync}"
+    )
+    print(f"  stock RQ SimpleWorker, no-op jobs   {stock.rate:8.0f} jobs/s   (ceiling)")
+    with running_stack(settings, args.consumers) as stack:
+        peak_rss: dict[int, float] = {}
+        sustained = find_sustained(stack, redis, args, peak_rss)
+        delivered = hold(stack, redis, sustained, args.hold, peak_rss)
+        print(
+            f"  sustained {args.hold:.0f} s, queue not growing  {delivered:8.0f} events/s "
+            f"delivered   ({delivered / stock.rate:.2f}x the ceiling; offered {sustained}/s)"
+        )
+        for rate in (max(1, sustained // 2), 10):
+            latencies = latency_run(stack, redis, rate, args.latency, peak_rss)
+            print(
+                f"  accepted -> fulfilment call at {rate:>3}/s  p50 {latencies[0]:6.1f} ms  "
+                f"p99 {latencies[1]:6.1f} ms  max {latencies[2]:6.1f} ms"
+            )
+        if args.memory_events:
+            rate = max(1, sustained // 2)
+            offer(stack, rate, args.memory_events / rate, peak_rss)
+            drain(stack, redis, timeout=600)
+        sent = stack.next_order
+        print(
+            f"  consumer RSS, largest over the run ({sent:,} events): "
+            + ", ".join(f"{mib:.0f} MiB" for mib in peak_rss.values())
+        )
+
+
+@contextmanager
+def running_stack(settings: Settings, consumers: int) -> Iterator[Stack]:
+    folder = Path(tempfile.mkdtemp(prefix="payhook-bench-e2e-"))
+    with Receiver(folder / "receiver") as receiver:
+        with connect(settings) as conn:
+            tenant = admin.add_tenant(
+                conn, "e2e", receiver.url, keyring=TEST_KEYRING, destinations=LOCAL_RECEIVERS
+            )
+            endpoint = admin.add_endpoint(conn, tenant, "standard", keyring=TEST_KEYRING)
+        with connect(settings, owner=True) as conn:
+            conn.execute(
+                "INSERT INTO payhook.payment_orders (tenant_id, id, merchant_reference,"
+                " gateway_order_id, amount_minor, currency)"
+                " SELECT %s, gen_random_uuid(), 'e2e-' || i, 'pi_e2e_' || i, 1500, 'EUR'"
+                " FROM generate_series(0, %s) AS i",
+                (tenant, MAX_ORDERS - 1),
+            )
+            conn.execute("ANALYZE payhook.payment_orders")
+        env = process_env(settings, PAYHOOK_LOG_LEVEL="WARNING", **LOCAL_RECEIVER_SETTINGS)
+        port = spare_port()
+        procs = [
+            _start(["ingress", "--port", str(port)], env, folder / "ingress.log"),
+            _start(["outbox-worker"], env, folder / "outbox.log"),
+        ]
+        workers = [
+            _start(["consumer"], env, folder / f"consumer-{i}.log") for i in range(consumers)
+        ]
+        try:
+            wait_for_port(port)
+            _wait_ready(port)
+            yield Stack(
+                settings,
+                f"http://127.0.0.1:{port}/webhooks/{endpoint.endpoint_id}",
+                endpoint.secret,
+                tenant,
+                receiver,
+                workers,
+            )
+        finally:
+            for proc in [*procs, *workers]:
+                proc.terminate()
+            for proc in [*procs, *workers]:
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+
+
+def _start(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    with log.open("ab") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "control.cli", *args], env=env, stdout=out, stderr=out
+        )
+
+
+def _wait_ready(port: int) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise SystemExit("the ingress did not become ready")
+
+
+def backlog(stack: Stack, redis: Redis) -> int:
+    """Work not yet done: jobs queued, taken or running, outbox rows undelivered."""
+    queue = events_queue(redis, stack.settings)
+    jobs = queue.count + int(redis.llen(queue.intermediate_queue_key))
+    jobs += queue.started_job_registry.get_job_count(cleanup=False)
+    with connect(stack.settings, owner=True) as conn:
+        row: Any = conn.execute(
+            "SELECT count(*) AS n FROM payhook.payment_outbox WHERE state = 'pending'"
+        ).fetchone()
+    return int(jobs) + int(row["n"])
+
+
+def find_sustained(
+    stack: Stack, redis: Redis, args: argparse.Namespace, peak_rss: dict[int, float]
+) -> int:
+    """The highest rate of the ladder the stack keeps up with for a step."""
+    kept = LADDER[0]
+    for rate in LADDER:
+        result = offer(stack, rate, args.step, peak_rss)
+        time.sleep(SETTLE)
+        left = backlog(stack, redis)
+        keeping_up = result.refused == 0 and left <= rate * BACKLOG_SECONDS
+        print(
+            f"    {rate:>4}/s for {args.step:.0f} s: {result.accepted} accepted, "
+            f"{result.refused} refused, backlog {left} {'' if keeping_up else '(falls behind)'}"
+        )
+        drain(stack, redis)
+        if not keeping_up:
+            break
+        kept = rate
+    return kept
+
+
+def hold(
+    stack: Stack, redis: Redis, rate: int, seconds: float, peak_rss: dict[int, float]
+) -> float:
+    """Hold `rate` for `seconds`, stepping down 15% until it keeps up; the
+    rate delivered to the receiver over the hold."""
+    while True:
+        before = len(stack.receiver.requests())
+        started = time.time()
+        result = offer(stack, rate, seconds, peak_rss)
+        time.sleep(SETTLE)
+        left = backlog(stack, redis)
+        if result.refused == 0 and left <= rate * BACKLOG_SECONDS:
+            delivered = [
+                r for r in stack.receiver.requests()[before:] if r["t"] <= started + seconds
+            ]
+            return len(delivered) / seconds
+        print(f"    {rate}/s held {seconds:.0f} s falls behind (backlog {left}); 15% less")
+        drain(stack, redis)
+        rate = int(rate * 0.85)
+
+
+def drain(stack: Stack, redis: Redis, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while backlog(stack, redis) and time.monotonic() < deadline:
+        time.sleep(0.5)
+
+
+@dataclass
+class Offered:
+    accepted: int
+    refused: int
+    #: Each accepted event: its id and when its 2xx arrived (wall clock).
+    accepted_at: dict[str, float]
+
+
+def offer(stack: Stack, rate: int, seconds: float, peak_rss: dict[int, float]) -> Offered:
+    """Post `rate` events a second for `seconds`, open loop, from another process."""
+    count = int(rate * seconds)
+    first = stack.next_order
+    stack.next_order += count
+    if stack.next_order > MAX_ORDERS:
+        raise SystemExit("out of orders: raise MAX_ORDERS")
+    context = multiprocessing.get_context("spawn")
+    results: multiprocessing.SimpleQueue[Any] = context.SimpleQueue()
+    proc = context.Process(
+        target=_load, args=(stack.url, stack.secret, first, count, rate, results)
+    )
+    proc.start()
+    while proc.is_alive():
+        _sample_rss(stack, peak_rss)
+        proc.join(timeout=0.5)
+    accepted_at, refused = results.get()
+    return Offered(len(accepted_at), refused, accepted_at)
+
+
+def _sample_rss(stack: Stack, peak_rss: dict[int, float]) -> None:
+    for proc in stack.consumers:
+        try:
+            process = psutil.Process(proc.pid)
+            rss = sum(p.memory_info().rss for p in [process, *process.children(recursive=True)])
+        except psutil.Error:
+            continue
+        peak_rss[proc.pid] = max(peak_rss.get(proc.pid, 0.0), rss / 2**20)
+
+
+def _load(url: str, secret: str, first: int, count: int, rate: int, results: Any) -> None:
+    """The load process: signed events, one every 1/rate s, each its own order."""
+    bodies = []
+    for i in range(first, first + count):
+        event = StandardEvent(
+            gateway_order_id=f"pi_e2e_{i}", merchant_reference=f"e2e-{i}", amount=1500
+        )
+        body = event.body()
+        bodies.append((event.event_id, body, event.headers(secret, body)))
+    results.put(asyncio.run(_post_all(url, bodies, rate)))
+
+
+async def _post_all(
+    url: str, bodies: list[tuple[str, bytes, dict[str, str]]], rate: int
+) -> tuple[dict[str, float], int]:
+    accepted: dict[str, float] = {}
+    refused = 0
+    limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
+    async with httpx.AsyncClient(limits=limits, timeout=30) as client:
+
+        async def post(event_id: str, body: bytes, headers: dict[str, str]) -> None:
+            nonlocal refused
+            try:
+                response = await client.post(
+                    url, content=body, headers=headers | {"content-type": "application/json"}
+                )
+            except httpx.HTTPError:
+                refused += 1
+                return
+            if 200 <= response.status_code < 300:
+                accepted[event_id] = time.time()
+            else:
+                refused += 1
+
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        tasks = []
+        for i, (event_id, body, headers) in enumerate(bodies):
+            delay = start + i / rate - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(post(event_id, body, headers)))
+        await asyncio.gather(*tasks)
+    return accepted, refused
+
+
+def latency_run(
+    stack: Stack, redis: Redis, rate: int, seconds: float, peak_rss: dict[int, float]
+) -> tuple[float, float, float]:
+    """p50, p99 and max, in ms, from accepted to the receiver's fulfilment call."""
+    before = len(stack.receiver.requests())
+    result = offer(stack, rate, seconds, peak_rss)
+    drain(stack, redis)
+    arrived: dict[str, float] = {}
+    for request in stack.receiver.requests()[before:]:
+        event_id = json.loads(request["body"]).get("event_id")
+        arrived.setdefault(event_id, request["t"])
+    latencies = sorted(
+        (arrived[e] - t) * 1000 for e, t in result.accepted_at.items() if e in arrived
+    )
+    if len(latencies) < len(result.accepted_at):
+        raise SystemExit(f"{len(result.accepted_at) - len(latencies)} fulfilments never arrived")
+    p99 = latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))]
+    return statistics.median(latencies), p99, latencies[-1]
+
+
+if __name__ == "__main__":
+    main()
