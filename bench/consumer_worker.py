@@ -62,7 +62,9 @@ def main(mode: str, kind: str, cpu_file: str | None = None) -> int:
     if kind == "stock":
         if mode != "noop":
             raise SystemExit("RQ's stock SimpleWorker runs no-op jobs only")
-        worker = SimpleWorker([events_queue(connection, settings)], connection=connection)
+        worker = SimpleWorker(
+            [events_queue(connection, settings)], connection=connection, serializer=JSONSerializer
+        )
     else:
         cls = SimpleBenchWorker if kind == "simple" else ForkingWorker
         worker = cls(

@@ -274,10 +274,15 @@ def offer(stack: Stack, rate: int, seconds: float, peak_rss: dict[int, float]) -
         target=_load, args=(stack.url, stack.secret, first, count, rate, results)
     )
     proc.start()
-    while proc.is_alive():
+    # Read the result before joining: the load process exits only once its
+    # result, larger than a pipe holds, is read.
+    while results.empty():
         _sample_rss(stack, peak_rss)
-        proc.join(timeout=0.5)
+        if not proc.is_alive() and results.empty():
+            raise SystemExit(f"the load process failed ({proc.exitcode})")
+        time.sleep(0.5)
     accepted_at, refused = results.get()
+    proc.join(timeout=30)
     return Offered(len(accepted_at), refused, accepted_at)
 
 

@@ -168,27 +168,32 @@ class RedisServer:
 
 
 class PgBouncer:
-    """Debian's PgBouncer in transaction mode in front of a `PostgresServer`.
+    """Debian's PgBouncer in transaction mode in front of a PostgreSQL on
+    127.0.0.1 (a `PostgresServer`, or the suite's server).
 
     Clients log in as `USER`, a member of payhook_app made by `create_user`
-    (trust, as the test cluster); the pooler's server sessions log in the same.
+    (trust, as the test clusters); the pooler's server sessions log in the same.
     """
 
     BINARY = Path("/usr/sbin/pgbouncer")
     USER = "payhook_pooled"
 
-    def __init__(self, root: Path, upstream: PostgresServer) -> None:
+    def __init__(self, root: Path, upstream_port: int) -> None:
         self.dir = root / "pgbouncer"
-        self.upstream = upstream
+        self.upstream_port = upstream_port
         self.port = free_port()
         self.process: subprocess.Popen[bytes] | None = None
 
     def url(self, database: str = "payhook") -> str:
         return f"postgresql://{self.USER}@127.0.0.1:{self.port}/{database}"
 
-    def create_user(self) -> None:
-        with psycopg.connect(self.upstream.url(), autocommit=True) as conn:
-            conn.execute(f"CREATE ROLE {self.USER} LOGIN IN ROLE payhook_app")
+    def create_user(self, admin_url: str) -> None:
+        """The pooled login role, once per PostgreSQL server (roles are the cluster's)."""
+        with psycopg.connect(admin_url, autocommit=True) as conn:
+            try:
+                conn.execute(f"CREATE ROLE {self.USER} LOGIN IN ROLE payhook_app")
+            except (psycopg.errors.DuplicateObject, psycopg.errors.UniqueViolation):
+                pass  # made by an earlier run, or by another worker just now
 
     def start(self) -> None:
         assert self.BINARY.exists(), "pgbouncer is missing: run scripts/services.sh"
@@ -196,7 +201,7 @@ class PgBouncer:
         (self.dir / "userlist.txt").write_text(f'"{self.USER}" ""\n"postgres" ""\n')
         (self.dir / "pgbouncer.ini").write_text(
             "[databases]\n"
-            f"* = host=127.0.0.1 port={self.upstream.port}\n"
+            f"* = host=127.0.0.1 port={self.upstream_port}\n"
             "[pgbouncer]\n"
             f"listen_addr = 127.0.0.1\nlisten_port = {self.port}\nunix_socket_dir =\n"
             f"auth_type = trust\nauth_file = {self.dir}/userlist.txt\n"
@@ -253,7 +258,7 @@ class Stack:
 
     def __post_init__(self) -> None:
         self.pg = PostgresServer(self.root)
-        self.pgbouncer = PgBouncer(self.root, self.pg)
+        self.pgbouncer = PgBouncer(self.root, self.pg.port)
         self.redis = RedisServer(self.root)
         self.receiver = Receiver(self.root / "receiver")
         self.logs = self.root / "logs"
@@ -300,7 +305,7 @@ class Stack:
         )
         assert migrate.returncode == 0, migrate.stderr
         if self.pooled:
-            self.pgbouncer.create_user()
+            self.pgbouncer.create_user(self.pg.url())
             self.pgbouncer.start()
         for _ in range(ingresses):
             self.start_ingress()

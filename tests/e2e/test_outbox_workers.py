@@ -32,7 +32,14 @@ PATIENCE = 60.0
 class WorkerProcess:
     """One `payhook outbox-worker` process; its JSON log (stdout) and stderr in files."""
 
-    def __init__(self, database: str, log: Path, *args: str, **settings: str) -> None:
+    def __init__(
+        self,
+        database: str,
+        log: Path,
+        *args: str,
+        extra_env: Callable[[str], dict[str, str]] | None = None,
+        **settings: str,
+    ) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("PAYHOOK_")}
         env |= {
             "DATABASE_URL": f"{PG_SERVER}/{database}",
@@ -40,6 +47,7 @@ class WorkerProcess:
             "PAYHOOK_SECRETS_KEY": TEST_SECRETS_KEY,
         }
         env |= LOCAL_RECEIVER_SETTINGS
+        env |= extra_env(database) if extra_env is not None else {}
         env |= {f"PAYHOOK_OUTBOX_{name.upper()}": value for name, value in settings.items()}
         script = Path(sys.executable).with_name("payhook")
         command = [str(script)] if script.exists() else [sys.executable, "-m", "control.cli"]
@@ -79,11 +87,21 @@ def receiver(tmp_path: Path) -> Iterator[Receiver]:
 
 
 @pytest.fixture
-def workers(database: str, tmp_path: Path) -> Iterator[Callable[..., WorkerProcess]]:
+def worker_env() -> Callable[[str], dict[str, str]] | None:
+    """More of the workers' environment, for a database's name (none here;
+    tests/e2e/test_pgbouncer.py puts PgBouncer in between)."""
+    return None
+
+
+@pytest.fixture
+def workers(
+    database: str, tmp_path: Path, worker_env: Callable[[str], dict[str, str]] | None
+) -> Iterator[Callable[..., WorkerProcess]]:
     started: list[WorkerProcess] = []
 
     def start(*args: str, **settings: str) -> WorkerProcess:
-        worker = WorkerProcess(database, tmp_path / f"worker-{len(started)}.log", *args, **settings)
+        log = tmp_path / f"worker-{len(started)}.log"
+        worker = WorkerProcess(database, log, *args, extra_env=worker_env, **settings)
         started.append(worker)
         return worker
 
