@@ -103,8 +103,9 @@ def run(args: argparse.Namespace, redis_url: str) -> None:
     print(f"  stock RQ SimpleWorker, no-op jobs   {stock.rate:8.0f} jobs/s   (ceiling)")
     with running_stack(settings, args.consumers) as stack:
         peak_rss: dict[int, float] = {}
-        sustained = find_sustained(stack, redis, args, peak_rss)
-        delivered = hold(stack, redis, sustained, args.hold, peak_rss)
+        sustained, delivered = hold(
+            stack, redis, find_sustained(stack, redis, args, peak_rss), args.hold, peak_rss
+        )
         print(
             f"  sustained {args.hold:.0f} s, queue not growing  {delivered:8.0f} events/s "
             f"delivered   ({delivered / stock.rate:.2f}x the ceiling; offered {sustained}/s)"
@@ -228,9 +229,9 @@ def find_sustained(
 
 def hold(
     stack: Stack, redis: Redis, rate: int, seconds: float, peak_rss: dict[int, float]
-) -> float:
+) -> tuple[int, float]:
     """Hold `rate` for `seconds`, stepping down 15% until it keeps up; the
-    rate delivered to the receiver over the hold."""
+    rate held, and the rate delivered to the receiver over the hold."""
     while True:
         before = len(stack.receiver.requests())
         started = time.time()
@@ -241,8 +242,8 @@ def hold(
             delivered = [
                 r for r in stack.receiver.requests()[before:] if r["t"] <= started + seconds
             ]
-            return len(delivered) / seconds
-        print(f"    {rate}/s held {seconds:.0f} s falls behind (backlog {left}); 15% less")
+            return rate, len(delivered) / seconds
+        print(f"    {rate}/s held {seconds:.0f} s falls behind ({left} to do); 15% less")
         drain(stack, redis)
         rate = int(rate * 0.85)
 

@@ -220,7 +220,7 @@ class PgBouncer:
 
     def _answers(self) -> bool:
         try:
-            psycopg.connect(self.url(), connect_timeout=1, prepare_threshold=None).close()
+            psycopg.connect(self.url("postgres"), connect_timeout=1).close()
         except psycopg.OperationalError:
             return False
         return True

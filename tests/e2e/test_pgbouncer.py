@@ -19,6 +19,7 @@ from psycopg.conninfo import conninfo_to_dict
 from tests.conftest import PG_SERVER
 from tests.e2e.stack import PgBouncer, Stack, running_stack
 from tests.e2e.test_outbox_workers import (
+    receiver,
     test_idle_worker_wakes_on_the_commit_notification_not_the_poll,
     test_once_delivers_what_is_due_and_exits,
     test_rows_are_retried_while_the_receiver_is_down_and_delivered_when_it_returns,
@@ -26,6 +27,7 @@ from tests.e2e.test_outbox_workers import (
     test_sigterm_finishes_the_delivery_in_flight_releases_the_rest_and_exits,
     test_three_workers_deliver_500_rows_each_exactly_once,
     test_worker_survives_its_database_connections_being_terminated,
+    workers,
 )
 from tests.e2e.test_scenarios import (
     assert_one_effect,
@@ -39,7 +41,9 @@ from tests.processes import stop, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("pgbouncer")]
 
+# The outbox worker tests, and their fixtures, collected here again.
 __all__ = [
+    "receiver",
     "test_consumer_killed_after_commit_then_redelivery_has_one_effect",
     "test_duplicate_storm_across_two_ingresses_has_one_effect",
     "test_idle_worker_wakes_on_the_commit_notification_not_the_poll",
@@ -49,6 +53,7 @@ __all__ = [
     "test_sigterm_finishes_the_delivery_in_flight_releases_the_rest_and_exits",
     "test_three_workers_deliver_500_rows_each_exactly_once",
     "test_worker_survives_its_database_connections_being_terminated",
+    "workers",
 ]
 
 
