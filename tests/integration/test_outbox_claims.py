@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from typing import Any
@@ -188,3 +189,44 @@ def test_row_of_a_vanished_tenant_is_claimed_without_url_or_secret(
     [claim] = claims.claim_due_rows(conn, 1, LONG_LEASE, TEST_KEYRING)
     assert claim.tenant_id == other_tenant
     assert claim.fulfilment_url is None and claim.signing_secret is None
+
+
+def test_a_row_committed_while_a_claim_runs_is_returned_if_it_is_claimed(
+    conn: psycopg.Connection[Row], settings: Settings, shop: Shop, order_id: str
+) -> None:
+    """The claim's statement starts; a row is committed; the claim's UPDATE,
+    which waited for a lock, sees and claims it: it must be returned too, or
+    no worker delivers it until its lease ends. (A SHARE ROW EXCLUSIVE lock
+    held by the writer makes the claim's UPDATE wait at that point.)"""
+    writer = connect(settings, "test", owner=True)
+    claimed: list[Claim] = []
+    try:
+        writer.execute("BEGIN")
+        writer.execute("LOCK TABLE payhook.payment_outbox IN SHARE ROW EXCLUSIVE MODE")
+        with connect(settings, "outbox-worker") as claimer:
+            pid = claimer.info.backend_pid
+            thread = threading.Thread(
+                target=lambda: claimed.extend(
+                    claims.claim_due_rows(claimer, 10, LONG_LEASE, TEST_KEYRING)
+                )
+            )
+            thread.start()
+            deadline = time.monotonic() + 10
+            while not _waits_for_a_lock(conn, pid):
+                assert time.monotonic() < deadline, "the claim never waited for the lock"
+                time.sleep(0.02)
+            (new,) = Factory(writer).outbox_rows(shop, order_id, 1)
+            writer.execute("COMMIT")
+            thread.join(timeout=10)
+    finally:
+        writer.close()
+    # The UPDATE took its snapshot once it had the lock: the row was claimed.
+    assert row(conn, new)["attempts"] == 1
+    assert [c.id for c in claimed] == [new], "claimed, but not returned to the worker"
+
+
+def _waits_for_a_lock(conn: psycopg.Connection[Row], pid: int) -> bool:
+    found = conn.execute(
+        "SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s", (pid,)
+    ).fetchone()
+    return found is not None and found["wait_event_type"] == "Lock"
