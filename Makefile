@@ -58,6 +58,7 @@ bench: install services
 	$(BIN)/python -m bench.consumer
 	$(BIN)/python -m bench.ingress
 	$(BIN)/python -m bench.outbox
+	$(BIN)/python -m bench.e2e
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
