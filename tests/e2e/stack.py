@@ -9,6 +9,7 @@ killed and restarted; `settle` waits until the queue and the outbox are empty.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -211,10 +212,12 @@ class PgBouncer:
         if os.geteuid() == 0:  # PgBouncer refuses to run as root
             for path in (self.dir, *self.dir.iterdir()):
                 shutil.chown(path, "postgres")
+        # A session of its own: stopping it signals runuser and PgBouncer alike.
         self.process = subprocess.Popen(
             _as_postgres([str(self.BINARY), str(self.dir / "pgbouncer.ini")]),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            start_new_session=True,
         )
         wait_until(self._answers, 10, "pgbouncer to answer")
 
@@ -227,7 +230,8 @@ class PgBouncer:
 
     def stop(self) -> None:
         if self.process is not None:
-            self.process.terminate()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGTERM)
             self.process.wait(timeout=10)
             self.process = None
 
