@@ -7,11 +7,11 @@
 -- tenant's URL and secret are read at claim time, so a changed URL applies
 -- to rows still pending. The writes below fence on the claim token, each
 -- under the row's tenant.
--- With when each row was written and its event's gateway, from the claim's
--- own statement (migration 0020: every row claimed is returned).
+-- With when each row was written and its event's gateway (migration 0016),
+-- from the claim's own statement (migration 0020: every row claimed is returned).
 SELECT tenant_id, id, order_id, event_id, action, payload, attempts, claim_token,
        claimed_until, fulfilment_url, signing_secret, created_at, gateway
-  FROM payhook.claim_outbox_v3(%(batch)s, %(lease)s)
+  FROM payhook.claim_outbox_v2(%(batch)s, %(lease)s)
 
 -- mark_outbox_delivered --
 -- Fenced completion: only the holder of the current claim token records success.

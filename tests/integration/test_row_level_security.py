@@ -50,7 +50,6 @@ CROSS_TENANT_FUNCTIONS = {
     "audit_cross_tenant",
     "claim_outbox_v1",
     "claim_outbox_v2",
-    "claim_outbox_v3",
     "endpoint_v1",
     "endpoint_v2",
     "ingress_endpoints_v1",

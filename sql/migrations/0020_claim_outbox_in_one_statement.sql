@@ -1,17 +1,17 @@
--- Claims of outbox rows, as claim_outbox_v2 returns them, in one statement.
+-- claim_outbox_v2 (migration 0016), fixed in place: its contract is unchanged,
+-- and a release still running gets the fix too.
 --
--- claim_outbox_v2 joined the rows claim_outbox_v1 returned with
--- payment_outbox again, in its own statement: that join read the table as it
--- was when v2's statement began, while v1's UPDATE, a statement of its own,
--- could claim a row committed a moment later. Such a row was claimed (its
--- attempt counted, its lease begun) but not returned: no worker delivered it
--- until its lease ended, a minute later by default. Under steady load it
--- happened to a few rows in a hundred.
+-- v2 joined the rows claim_outbox_v1 returned with payment_outbox again, in
+-- its own statement: that join read the table as it was when v2's statement
+-- began, while v1's UPDATE, a statement of its own, could claim a row
+-- committed a moment later. Such a row was claimed (its attempt counted, its
+-- lease begun) but not returned: no worker delivered it until its lease
+-- ended, a minute later by default. Under steady load it happened to a few
+-- rows in a hundred.
 --
--- Here the claim's own UPDATE returns when each row was written and, from its
+-- Now the claim's own UPDATE returns when each row was written and, from its
 -- receipt (committed with it, so visible to the same statement), the gateway.
--- v2 stays for a release still running.
-CREATE OR REPLACE FUNCTION payhook.claim_outbox_v3(p_batch integer, p_lease float8)
+CREATE OR REPLACE FUNCTION payhook.claim_outbox_v2(p_batch integer, p_lease float8)
 RETURNS TABLE (
     tenant_id uuid, id uuid, order_id uuid, event_id text, action text, payload jsonb,
     attempts integer, claim_token uuid, claimed_until timestamptz, fulfilment_url text,
@@ -40,5 +40,3 @@ LANGUAGE sql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS 
                 WHERE r.tenant_id = o.tenant_id AND r.event_id = o.event_id)
 $$;
 
-REVOKE ALL ON FUNCTION payhook.claim_outbox_v3(integer, float8) FROM PUBLIC;
-GRANT EXECUTE ON FUNCTION payhook.claim_outbox_v3(integer, float8) TO payhook_app;
