@@ -58,6 +58,8 @@ class Stream:
     """What a gateway saw: each event's first 2xx, and every 503 with its time."""
 
     acknowledged: list[str] = field(default_factory=list)
+    #: When each acknowledgement arrived (monotonic), in the same order.
+    acknowledged_at: list[float] = field(default_factory=list)
     refused_at: list[float] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -73,6 +75,7 @@ def stream(stack: Stack, shop: Shop, stop_at: threading.Event, out: Stream) -> N
             if status == 202:
                 with out.lock:
                     out.acknowledged.append(event.event_id)
+                    out.acknowledged_at.append(time.monotonic())
                 break
             with out.lock:
                 out.refused_at.append(time.monotonic())
@@ -141,6 +144,12 @@ def report(out: Stream, failover: Failover, took: int) -> str:
     )
 
 
+def assert_acknowledging_again(out: Stream, failover: Failover) -> None:
+    """The ingress answered 202 again once a replica was promoted: it found the new master."""
+    promoted_at = failover.killed_at + failover.promoted
+    assert any(at > promoted_at for at in out.acknowledged_at), "no 202 after the promotion"
+
+
 def receipts(stack: Stack) -> list[str]:
     with stack.db() as conn:
         rows = conn.execute("SELECT event_id FROM payhook.payment_event_receipts").fetchall()
@@ -156,6 +165,7 @@ def test_with_one_replica_every_acknowledged_event_survives_the_failover(
     out, failover, took = fail_over(group, stack, shop)
     print(f"failover with PAYHOOK_ENQUEUE_REPLICAS=1: {report(out, failover, took)}")
     assert out.refused_at, "the ingress refused while there was no master"
+    assert_acknowledging_again(out, failover)
     seen = receipts(stack)
     assert len(set(seen)) == len(seen)
     assert set(out.acknowledged) <= set(seen), "every acknowledged event has its receipt"
@@ -172,7 +182,7 @@ def test_without_replicas_the_loss_is_counted(
     print(f"failover without WAIT: {len(lost)} lost; {report(out, failover, took)}")
     # What was not lost was applied once.
     assert len(set(seen)) == len(seen)
-    assert out.acknowledged
+    assert_acknowledging_again(out, failover)
 
 
 def test_a_202_waits_for_the_replicas_it_is_told_to() -> None:
@@ -184,7 +194,7 @@ def test_a_202_waits_for_the_replicas_it_is_told_to() -> None:
     master, replica = RedisServer(tmp_path, "master"), RedisServer(tmp_path, "replica")
     master.start()
     replica.start(replica_of=master.port)
-    wait_until(lambda: master_replicas(master) == 1, 20, "the replica to sync")
+    wait_until(lambda: online_replicas(master.port) == 1, 20, "the replica to sync")
     stack = Stack(
         tmp_path,
         extra_env={"REDIS_URL": f"redis://127.0.0.1:{master.port}/0"},
@@ -201,7 +211,7 @@ def test_a_202_waits_for_the_replicas_it_is_told_to() -> None:
         assert send(stack.url(shop), alone, shop.secret) == 503
         assert send(stack.url(shop), alone, shop.secret) == 503
         replica.start(replica_of=master.port)
-        wait_until(lambda: master_replicas(master) == 1, 20, "the replica to sync")
+        wait_until(lambda: online_replicas(master.port) == 1, 20, "the replica to sync")
         assert send(stack.url(shop), alone, shop.secret) == 202
         # An ingress whose Redis is a replica (a master demoted under it) is
         # answered READONLY: 503, never 202, and nothing is queued.
@@ -216,8 +226,3 @@ def test_a_202_waits_for_the_replicas_it_is_told_to() -> None:
         master.kill(signal.SIGTERM)
         replica.kill(signal.SIGTERM)
         shutil.rmtree(tmp_path, ignore_errors=True)
-
-
-def master_replicas(node: RedisServer) -> int:
-    """Replicas of `node` online: synced, and streaming its writes."""
-    return online_replicas(node.port)
