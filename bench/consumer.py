@@ -4,10 +4,14 @@
                              [--fsync always|everysec|no]
 
 1. RQ no-op jobs (same envelopes, same worker class and count): the queue's
-   own ceiling; also with RQ's forking worker, to show why we do not fork.
-2. The same SQL transaction driven directly by W processes: the database's.
-3. payhook consumers applying first deliveries, then the same events again
-   (every job a duplicate).
+   own ceiling; also with RQ's stock `SimpleWorker` and its forking worker,
+   to show what payhook's worker takes away.
+2. The same verification and SQL transaction, one event at a time, driven
+   directly by W processes: the database's ceiling.
+3. payhook consumers applying first deliveries, taking `--batch` jobs at a
+   time, then the same events again (every job a duplicate); and first
+   deliveries taking one job at a time, and taking a batch but committing
+   each event alone: what each step of batching brings.
 4. First deliveries again, by consumers working as the owner, whom
    row-level security does not restrict (PAYHOOK_DATABASE_ROLE empty), and
    the same transaction driven directly as the owner: what the policies
@@ -130,6 +134,7 @@ def run_workers(
     kind: str,
     workers: int,
     meters: Meters,
+    batch: int = 1,
 ) -> Phase:
     """Enqueue one job per envelope, drain with `workers` processes: jobs per
     second, and the CPU each kind of process spent per job while they worked."""
@@ -149,7 +154,7 @@ def run_workers(
             job.func_name = "bench.consumer_worker.noop"
             job.save()
         ids.append(job.id)
-    env = process_env(settings)
+    env = process_env(settings, PAYHOOK_CONSUMER_BATCH=str(batch))
     with tempfile.TemporaryDirectory(prefix="payhook-bench-cpu-") as folder:
         cpu_files = [Path(folder) / str(i) for i in range(workers)]
         servers_before = _servers_cpu(meters)
@@ -266,6 +271,9 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--fsync", choices=FSYNC_CHOICES, default="always")
+    parser.add_argument(
+        "--batch", type=int, default=Settings.consumer_batch, help="PAYHOOK_CONSUMER_BATCH"
+    )
     args = parser.parse_args()
     if REDIS:
         run(args, REDIS, None, "PAYHOOK_BENCH_REDIS")
@@ -278,7 +286,7 @@ def run(args: argparse.Namespace, redis_url: str, redis_pid: int | None, redis_l
     n, w = args.events, args.workers
     redis = Redis.from_url(redis_url)
     phases: dict[str, list[Phase]] = {
-        name: [] for name in ("noop", "applied", "duplicates", "owner")
+        name: [] for name in ("stock", "noop", "applied", "duplicates", "owner", "one_job", "alone")
     }
     direct_rates: list[float] = []
     owner_direct_rates: list[float] = []
@@ -288,18 +296,28 @@ def run(args: argparse.Namespace, redis_url: str, redis_pid: int | None, redis_l
     for round_ in range(args.rounds):
         settings = fresh_settings(redis_url)
         meters = find_meters(settings, redis_pid)
-        endpoint, envelopes = make_events(settings, 4 * n)
-        direct_set, queued_set, owner_set, owner_direct_set = (
-            envelopes[i * n : (i + 1) * n] for i in range(4)
+        endpoint, envelopes = make_events(settings, 6 * n)
+        direct_set, queued_set, owner_set, owner_direct_set, one_job_set, alone_set = (
+            envelopes[i * n : (i + 1) * n] for i in range(6)
         )
-        # The no-op ceiling and first deliveries (under row-level security or
-        # as the owner) take turns going first, so none always runs on the
-        # fresher Redis and PostgreSQL.
-        order = [("noop", "noop"), ("applied", "apply"), ("owner", "apply")]
-        for name, mode in [*order[round_ % 3 :], *order[: round_ % 3], ("duplicates", "apply")]:
+        # The ceilings and first deliveries (under row-level security or as
+        # the owner, one job at a time, without group commit) take turns
+        # going first, so none always runs on the fresher Redis and PostgreSQL.
+        order = [
+            ("stock", "noop", "stock", queued_set, 1),
+            ("noop", "noop", "simple", queued_set, 1),
+            ("applied", "apply", "simple", queued_set, args.batch),
+            ("owner", "apply", "simple", owner_set, args.batch),
+            ("one_job", "apply", "simple", one_job_set, 1),
+            ("alone", "apply", "alone", alone_set, args.batch),
+        ]
+        turn = round_ % len(order)
+        again = ("duplicates", "apply", "simple", queued_set, args.batch)
+        for name, mode, kind, events, batch in [*order[turn:], *order[:turn], again]:
             as_role = replace(settings, database_role="") if name == "owner" else settings
-            events = owner_set if name == "owner" else queued_set
-            phases[name].append(run_workers(as_role, redis, events, mode, "simple", w, meters))
+            phases[name].append(
+                run_workers(as_role, redis, events, mode, kind, w, meters, batch=batch)
+            )
         as_owner = replace(settings, database_role="")
         directs = [
             (direct_rates, settings, direct_set),
@@ -307,13 +325,14 @@ def run(args: argparse.Namespace, redis_url: str, redis_pid: int | None, redis_l
         ]
         for rates, as_role, events in directs[:: 1 if round_ % 2 == 0 else -1]:
             rates.append(run_direct(as_role, endpoint, events, w))
-        assert count(settings, "payment_outbox") == 4 * n, "every event applied exactly once"
+        applied_once = count(settings, "payment_outbox")
+        assert applied_once == 6 * n, f"{applied_once} outbox rows for {6 * n} events"
         if round_ == 0:
             fork = run_workers(settings, redis, queued_set, "noop", "fork", w, meters).rate
     redis.flushdb()
-    noop, applied, duplicates, owner = (
+    stock, noop, applied, duplicates, owner, one_job, alone = (
         statistics.median(p.rate for p in phases[k])
-        for k in ("noop", "applied", "duplicates", "owner")
+        for k in ("stock", "noop", "applied", "duplicates", "owner", "one_job", "alone")
     )
     direct = statistics.median(direct_rates)
     owner_direct = statistics.median(owner_direct_rates)
@@ -321,7 +340,11 @@ def run(args: argparse.Namespace, redis_url: str, redis_pid: int | None, redis_l
         f"consumer benchmark: {n} events x {args.rounds} rounds, {w} worker processes, "
         f"{os.cpu_count()} cores (medians); Redis {redis_label}"
     )
-    print(f"  RQ no-op jobs, PayhookWorker       {noop:8.0f} jobs/s    (ceiling 1)")
+    print(f"  RQ no-op jobs, stock SimpleWorker  {stock:8.0f} jobs/s    (ceiling 0)")
+    print(
+        f"  RQ no-op jobs, PayhookWorker       {noop:8.0f} jobs/s    "
+        f"(ceiling 1, {noop / stock:.2f}x ceiling 0)"
+    )
     print(
         f"  RQ no-op jobs, forking rq.Worker   {fork:8.0f} jobs/s    "
         f"({fork / noop:.2f}x PayhookWorker)"
@@ -329,7 +352,16 @@ def run(args: argparse.Namespace, redis_url: str, redis_pid: int | None, redis_l
     print(f"  same transaction, no queue         {direct:8.0f} events/s  (ceiling 2)")
     print(
         f"  payhook consumers, first delivery  {applied:8.0f} events/s  "
-        f"({applied / noop:.0%} of ceiling 1, {applied / direct:.0%} of ceiling 2)"
+        f"({applied / stock:.2f}x ceiling 0, {applied / direct:.0%} of ceiling 2; "
+        f"batches of {args.batch})"
+    )
+    print(
+        f"    one job at a time                {one_job:8.0f} events/s  "
+        f"({one_job / direct:.0%} of ceiling 2)"
+    )
+    print(
+        f"    batches, each event committed alone {alone:5.0f} events/s  "
+        f"({alone / direct:.0%} of ceiling 2)"
     )
     print(
         f"  payhook consumers, duplicates      {duplicates:8.0f} events/s  "
@@ -344,9 +376,12 @@ def run(args: argparse.Namespace, redis_url: str, redis_pid: int | None, redis_l
         f"(row-level security costs {1 - direct / owner_direct:.1%})"
     )
     # Each round measures its no-op ceiling and first deliveries back to back.
-    pairs = zip(phases["applied"], phases["noop"], strict=True)
-    per_round = ", ".join(f"{first.rate / ceiling.rate:.0%}" for first, ceiling in pairs)
-    print(f"  first delivery / no-op, per round  [{per_round}]")
+    pairs = zip(phases["applied"], phases["stock"], strict=True)
+    per_round = ", ".join(f"{first.rate / ceiling.rate:.2f}x" for first, ceiling in pairs)
+    print(f"  first delivery / stock no-op, per round [{per_round}]")
+    to_direct = zip(phases["applied"], direct_rates, strict=True)
+    per_round = ", ".join(f"{first.rate / ceiling:.0%}" for first, ceiling in to_direct)
+    print(f"  first delivery / no queue, per round    [{per_round}]")
     pairs = zip(phases["applied"], phases["owner"], strict=True)
     per_round = ", ".join(f"{rls.rate / bypass.rate:.0%}" for rls, bypass in pairs)
     print(f"  under RLS / as the owner, per round [{per_round}]")
@@ -362,8 +397,11 @@ def print_cpu(phases: dict[str, list[Phase]]) -> None:
     print("CPU per job, µs (medians)        workers    Redis  PostgreSQL     all")
     totals = {}
     for name, label in (
+        ("stock", "RQ no-op, stock SimpleWorker"),
         ("noop", "RQ no-op jobs"),
         ("applied", "payhook, first delivery"),
+        ("one_job", "  one job at a time"),
+        ("alone", "  each committed alone"),
         ("duplicates", "payhook, duplicates"),
     ):
         medians = {}
@@ -375,7 +413,7 @@ def print_cpu(phases: dict[str, list[Phase]]) -> None:
         print(f"  {label:28s}{cells}{totals[name]:>10,.0f}")
     print(
         "  were the machine's CPU the only limit, first deliveries would run at "
-        f"{totals['noop'] / totals['applied']:.0%} of the no-op rate"
+        f"{totals['stock'] / totals['applied']:.2f}x the stock no-op rate"
     )
 
 

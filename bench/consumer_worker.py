@@ -1,8 +1,10 @@
 """A consumer worker for the benchmark: the real one, or a no-op ceiling.
 
-python -m bench.consumer_worker apply|noop simple|fork|stock [CPU_FILE]
+python -m bench.consumer_worker apply|noop simple|alone|fork|stock [CPU_FILE]
 
-`simple` is payhook's worker (`PayhookWorker`), `fork` RQ's forking `Worker`,
+`simple` is payhook's worker (`PayhookWorker`, taking PAYHOOK_CONSUMER_BATCH
+jobs at a time), `alone` the same worker committing each event of a batch in
+a transaction of its own (no group commit), `fork` RQ's forking `Worker`,
 `stock` RQ's own `SimpleWorker` as shipped (no-op jobs only).
 
 With CPU_FILE, the worker writes there the CPU seconds it spent working
@@ -17,9 +19,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psycopg
 from rq.serializers import JSONSerializer
 from rq.worker import BaseWorker, SimpleWorker, Worker
 
+from consumer import handler
 from consumer.applier import Applier
 from consumer.handler import Runtime
 from consumer.worker import ALLOWED_FUNCTIONS, PayhookJob, PayhookWorker
@@ -50,6 +54,10 @@ class SimpleBenchWorker(PayhookWorker):
     job_class = BenchJob
 
 
+def _one_by_one(conn: Any, calls: Any) -> Any:
+    raise psycopg.errors.QueryCanceled("bench: no group commit")
+
+
 def main(mode: str, kind: str, cpu_file: str | None = None) -> int:
     settings = Settings.from_env(os.environ)
     configure_logging(settings.log_level)
@@ -57,6 +65,10 @@ def main(mode: str, kind: str, cpu_file: str | None = None) -> int:
         pool = create_pool(settings, "bench", size=2)
         pool.open(wait=True)
         runtime = Runtime(settings=settings, pool=pool)
+    if kind == "alone":
+        # Every batch's transaction "fails" before it is sent: each event is
+        # applied in a transaction of its own, as `handle_many` falls back.
+        setattr(handler, "apply_events", _one_by_one)  # noqa: B010
     connection = redis_connection(settings)
     worker: BaseWorker
     if kind == "stock":
@@ -66,14 +78,17 @@ def main(mode: str, kind: str, cpu_file: str | None = None) -> int:
             [events_queue(connection, settings)], connection=connection, serializer=JSONSerializer
         )
     else:
-        cls = SimpleBenchWorker if kind == "simple" else ForkingWorker
+        payhook = kind in ("simple", "alone")
+        cls = SimpleBenchWorker if payhook else ForkingWorker
         worker = cls(
-            [settings.queue] if kind == "simple" else [events_queue(connection, settings)],
+            [settings.queue] if payhook else [events_queue(connection, settings)],
             connection=connection,
             serializer=JSONSerializer,
             job_class=BenchJob,
         )
     worker.log_job_description = False
+    if isinstance(worker, PayhookWorker):
+        worker.batch_size = settings.consumer_batch
     if mode == "apply" and isinstance(worker, PayhookWorker):
         worker.applier = Applier(runtime)
     started = time.process_time()

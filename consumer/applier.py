@@ -1,132 +1,114 @@
 """The object that applies a consumer's events: one per worker process.
 
-One job, in one direction:
+A batch of jobs, in one direction:
 
-    PayhookWorker.execute_job      RQ handed the worker a job it could read
-      -> Applier.begin             the event starts on the applier thread...
-    RQ records the job as started  ...while RQ's two writes wait on Redis
-      -> PayhookJob.func           RQ runs the job: `Applier.finish`
-      -> Applier.finish            collects the outcome begun
-           consumer.handler.handle        verify, read, then one call of
-           consumer.transaction           payhook.apply_event_v2 on the server
-           consumer.replay.replay_parked  events that waited for this one
+    PayhookWorker.execute_job      RQ handed the worker a job it could read;
+                                   it takes up to N-1 more (consumer.batch)
+      -> Applier.begin             their events start on the applier thread...
+    RQ's writes of their start     ...while the worker records the jobs as
+                                   started, as RQ would, in two round trips
+      -> Applier.collect           each job's outcome, or the exception RQ
+                                   records for it
+           consumer.handler.handle_many   verify and read each, then one
+           consumer.transaction           transaction for them all
+           consumer.replay.replay_parked  events that waited for these
 
-The transaction's commit waits on PostgreSQL while RQ's writes recording the
-job as started wait on Redis, at the same time rather than one after the
-other. Nothing depends on the order of the two: an event committed before RQ
-recorded its job (the worker killed in between) is retried from RQ's
-intermediate list and finds its receipt. A job the worker did not begin
-(`finish` with nothing begun for it) is applied on the job's own thread.
+The transaction's commit waits on PostgreSQL while the writes recording the
+jobs as started wait on Redis, at the same time rather than one after the
+other. Nothing depends on the order of the two: an event committed before
+its job was recorded (the worker killed in between) is retried from RQ's
+intermediate list and finds its receipt. A job run by RQ itself (`finish`)
+is applied on the job's own thread.
 """
 
 from __future__ import annotations
 
-import os
-import signal
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, cast
 
-import psycopg
 import structlog
 
-from consumer.handler import Runtime, handle
+from consumer.handler import Runtime, handle_many
 from consumer.transaction import Applied
-from payhook.db import cancel_waiting, error_summary
-from payhook.errors import DatabaseError, RefusedJob
+from payhook.db import cancel_waiting
+from payhook.errors import RefusedJob
 from payhook.outcomes import REFUSED_OUTCOMES
-
-log = structlog.get_logger(__name__)
-
-#: Fault point: SIGKILL this process right after the transaction commits,
-#: once RQ has recorded the job as started.
-FAULT_KILL_AFTER_COMMIT = "consumer_kill_after_commit"
 
 
 class Applier:
-    """Applies events with `runtime`, one at a time, on a thread of its own."""
+    """Applies events with `runtime`, a batch at a time, on a thread of its own."""
 
     def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="payhook-applier")
-        #: The job id and outcome of the event begun, until its job collects it.
-        self._ahead: tuple[str, Future[Applied]] | None = None
-        #: The applier thread's id, once it has begun an event.
+        #: The applier thread's id, once it has begun a batch.
         self._thread_id: int | None = None
 
-    def begin(self, job_id: str, envelope: Any) -> None:
-        """Begin applying `envelope`, the argument of job `job_id`; `finish`
-        collects the outcome.
+    def begin(self, envelopes: list[Any]) -> Future[list[Applied | Exception]]:
+        """Begin applying the arguments of a batch of jobs; `collect` gives
+        their outcomes.
 
-        A begun event is applied even if its job never runs (RQ failed to
-        record the job, the worker was stopped): the job, retried, finds the
-        receipt. Beginning another job forgets the outcome of one not collected.
+        Begun events are applied even if their jobs never finish (RQ's
+        writes failed, the worker was stopped): each job, retried, finds its
+        receipt.
         """
-        self._ahead = (job_id, self._thread.submit(self._apply_ahead, envelope))
+        return self._thread.submit(self._apply_ahead, envelopes)
 
-    def finish(self, job_id: str | None, envelope: Any) -> dict[str, Any]:
-        """What RQ runs as job `job_id`: the outcome of its event, begun or
-        applied now; the result RQ stores.
+    def collect(self, begun: Future[list[Applied | Exception]]) -> list[Applied | Exception]:
+        """The outcomes begun, in the order of their envelopes. Interrupted
+        meanwhile (RQ's job timeout, a signal), the statement the applier
+        thread waits for is cancelled, as it would be on this thread: the
+        batch leaves no transaction behind."""
+        try:
+            return begun.result()
+        except BaseException:
+            if not begun.done() and self._thread_id is not None:
+                cancel_waiting(self._thread_id)
+            raise
 
-        A refused job fails rather than finishing: it may be an event the
-        ingress acknowledged (signed with a secret retired while the ingress
-        could not refresh its endpoints, say), and the dead-letter queue keeps
-        its raw envelope for an operator, where a finished job's would expire
-        with its result. RQ retries it no more (`PayhookJob`).
-        """
-        ahead = self._collect(job_id)
-        result = self._wait(ahead) if ahead is not None else self.apply(envelope)
-        if result.outcome in REFUSED_OUTCOMES:
-            raise RefusedJob(f"{result.outcome}: recorded as a security anomaly, nothing applied")
-        if FAULT_KILL_AFTER_COMMIT in self.runtime.settings.faults:
-            log.warning("fault_kill_after_commit")
-            os.kill(os.getpid(), signal.SIGKILL)
-        return {"outcome": result.outcome, "order_id": result.order_id, "retries": result.retries}
+    def finish(self, envelope: Any) -> dict[str, Any]:
+        """What RQ runs for a job it runs itself: the outcome of its event,
+        applied now on this thread; the result RQ stores."""
+        return result_of(self.apply(envelope))
 
     def apply(self, envelope: Any) -> Applied:
-        """Apply one envelope on this thread: one canonical log line.
+        """Apply one envelope on this thread: one canonical log line."""
+        return self.apply_many([envelope])[0]
 
-        PostgreSQL's errors leave as their class and SQLSTATE: their text may
-        quote the event (PostgreSQL's context shows the JSON it could not
-        read), and so would a chained traceback, in RQ's failure info and logs.
-        """
-        structlog.contextvars.clear_contextvars()
-        try:
-            result = handle(self.runtime, envelope)
-        except psycopg.Error as exc:
-            raise DatabaseError(error_summary(exc)) from None
-        else:
-            log.info("event_applied", outcome=result.outcome, retries=result.retries)
-            return result
-        finally:
-            structlog.contextvars.clear_contextvars()
+    def apply_many(self, envelopes: list[Any]) -> list[Applied]:
+        """`handle_many` on this thread, raising the first job's exception."""
+        results = self._apply_ahead(envelopes)
+        for result in results:
+            if isinstance(result, Exception):
+                raise result
+        return cast(list[Applied], results)
 
     def wait(self) -> None:
-        """Until every event begun so far is applied or has failed, leaving
-        outcomes to their jobs."""
+        """Until every batch begun so far is applied or has failed."""
         self._thread.submit(lambda: None).result()
 
     def close(self) -> None:
         self._thread.shutdown(wait=True)
 
-    def _collect(self, job_id: str | None) -> Future[Applied] | None:
-        """The outcome begun for `job_id`, if it was."""
-        ahead, self._ahead = self._ahead, None
-        if ahead is None or job_id is None or ahead[0] != job_id:
-            return None
-        return ahead[1]
-
-    def _wait(self, ahead: Future[Applied]) -> Applied:
-        """The outcome begun. Interrupted meanwhile (RQ's job timeout, a
-        signal), the statement the applier thread waits for is cancelled, as
-        it would be on this thread: the job leaves no transaction behind."""
-        try:
-            return ahead.result()
-        except BaseException:
-            if not ahead.done() and self._thread_id is not None:
-                cancel_waiting(self._thread_id)
-            raise
-
-    def _apply_ahead(self, envelope: Any) -> Applied:
+    def _apply_ahead(self, envelopes: list[Any]) -> list[Applied | Exception]:
         self._thread_id = threading.get_ident()
-        return self.apply(envelope)
+        structlog.contextvars.clear_contextvars()
+        try:
+            return handle_many(self.runtime, envelopes)
+        finally:
+            structlog.contextvars.clear_contextvars()
+
+
+def result_of(applied: Applied) -> dict[str, Any]:
+    """The result RQ stores for a job whose event was applied.
+
+    A refused job fails rather than finishing (`RefusedJob`): it may be an
+    event the ingress acknowledged (signed with a secret retired while the
+    ingress could not refresh its endpoints, say), and the dead-letter queue
+    keeps its raw envelope for an operator, where a finished job's would
+    expire with its result. RQ retries it no more.
+    """
+    if applied.outcome in REFUSED_OUTCOMES:
+        raise RefusedJob(f"{applied.outcome}: recorded as a security anomaly, nothing applied")
+    return {"outcome": applied.outcome, "order_id": applied.order_id, "retries": applied.retries}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -14,12 +15,18 @@ from redis import Redis
 
 from consumer.endpoints import EndpointCache
 from consumer.replay import replay_parked
-from consumer.transaction import Applied, TooManyRetries, apply_with_retries
+from consumer.transaction import (
+    Applied,
+    TooManyRetries,
+    apply_events,
+    apply_with_retries,
+    call_params,
+)
 from payhook import counters
-from payhook.db import Pool, Row, execute, pooled_connection, tenant_transaction
+from payhook.db import Pool, Row, error_summary, execute, pooled_connection, tenant_transaction
 from payhook.endpoints import Endpoint
 from payhook.envelope import Envelope, MalformedJob, NewerEnvelope, part_proven
-from payhook.errors import MalformedEvent, SignatureError, SignatureMismatch
+from payhook.errors import DatabaseError, MalformedEvent, SignatureError, SignatureMismatch
 from payhook.flow import RECEIPT_TO_COMMIT, FlowRecorder
 from payhook.gateways import Event, Gateway, get_gateway
 from payhook.gateways.base import raw_digest
@@ -58,8 +65,65 @@ class Runtime:
         self.flow = FlowRecorder(RECEIPT_TO_COMMIT)
 
 
+@dataclass
+class Prepared:
+    """An authentic job's event(s), read and ready for their transaction."""
+
+    gateway: Gateway
+    endpoint: Endpoint
+    envelope: Envelope
+    #: The event, or the events the gateway's API says it stands for.
+    events: list[tuple[Event, MalformedEvent | None]]
+    #: The job's log context (delivery, endpoint, tenant, event).
+    context: dict[str, Any]
+
+
 def handle(runtime: Runtime, data: object) -> Applied:
     """Apply one job's envelope; every path ends in an outcome or an exception for RQ."""
+    result = handle_many(runtime, [data])[0]
+    if isinstance(result, BaseException):
+        raise result
+    return result
+
+
+def handle_many(runtime: Runtime, jobs: Sequence[object]) -> list[Applied | Exception]:
+    """Apply several jobs' envelopes: each job's outcome, or the exception
+    its job raises to RQ, in the order of `jobs`; one log line per job.
+
+    Each job is authenticated and read on its own, as `handle` does; the
+    events then commit together, in one transaction (`apply_events`), and
+    should that transaction fail, each event in one of its own, retried as
+    `handle` retries. An event the gateway's API completes into several
+    is applied alone, each of those in a transaction of its own.
+    PostgreSQL's errors leave as their class and SQLSTATE (`DatabaseError`):
+    their text may quote the event, in RQ's failure info and logs.
+    """
+    results: list[Applied | Exception | None] = [None] * len(jobs)
+    with pooled_connection(runtime.pool) as conn:
+        together: list[tuple[int, Prepared, dict[str, Any]]] = []
+        for i, data in enumerate(jobs):
+            structlog.contextvars.clear_contextvars()
+            try:
+                prepared = _prepare(runtime, conn, data)
+                if isinstance(prepared, Applied):
+                    results[i] = _done(prepared)
+                elif len(prepared.events) == 1:
+                    event, malformed = prepared.events[0]
+                    together.append((i, prepared, _params(runtime, prepared, event, malformed)))
+                else:
+                    results[i] = _done(_apply_each(runtime, conn, prepared))
+            except Exception as exc:
+                results[i] = _failed(exc)
+        for i, result in _apply_together(runtime, conn, together):
+            results[i] = result
+    structlog.contextvars.clear_contextvars()
+    runtime.flow.flush_due(runtime.redis)
+    return [result for result in results if result is not None]
+
+
+def _prepare(runtime: Runtime, conn: psycopg.Connection[Row], data: object) -> Applied | Prepared:
+    """Authenticate and read one job's envelope: its final outcome (an anomaly,
+    refused), or its events, ready to apply. Binds the job's log context."""
     try:
         envelope = Envelope.from_json(data)
     except NewerEnvelope as exc:
@@ -68,71 +132,133 @@ def handle(runtime: Runtime, data: object) -> Applied:
         log.error("envelope_too_new", version=exc.version)
         raise
     except MalformedJob:
-        _anomaly(runtime, "malformed_job")
+        _anomaly(runtime, "malformed_job", conn=conn)
         log.error("job_malformed")
         return Applied("malformed_job")
     structlog.contextvars.bind_contextvars(
         delivery_id=envelope.delivery_id, endpoint_id=envelope.endpoint_id
     )
-    with pooled_connection(runtime.pool) as conn:
-        endpoint, fresh = runtime.endpoints.get(conn, envelope.endpoint_id)
-        if endpoint is None:
-            _anomaly(runtime, "unknown_endpoint", conn=conn, envelope=envelope)
-            log.error("endpoint_unknown")
-            return Applied("unknown_endpoint")
-        structlog.contextvars.bind_contextvars(tenant_id=endpoint.tenant_id)
-        gateway = get_gateway(endpoint.gateway)
+    endpoint, fresh = runtime.endpoints.get(conn, envelope.endpoint_id)
+    if endpoint is None:
+        _anomaly(runtime, "unknown_endpoint", conn=conn, envelope=envelope)
+        log.error("endpoint_unknown")
+        return Applied("unknown_endpoint")
+    structlog.contextvars.bind_contextvars(tenant_id=endpoint.tenant_id)
+    gateway = get_gateway(endpoint.gateway)
+    try:
+        _verify(runtime, gateway, envelope, endpoint)
+    except SignatureError:
+        if not fresh:  # perhaps signed with a secret rotated in since we cached
+            endpoint, _ = runtime.endpoints.get(conn, envelope.endpoint_id, fresh=True)
         try:
+            if endpoint is None:
+                raise SignatureMismatch() from None
             _verify(runtime, gateway, envelope, endpoint)
-        except SignatureError:
-            if not fresh:  # perhaps signed with a secret rotated in since we cached
-                endpoint, _ = runtime.endpoints.get(conn, envelope.endpoint_id, fresh=True)
-            try:
-                if endpoint is None:
-                    raise SignatureMismatch() from None
-                _verify(runtime, gateway, envelope, endpoint)
-            except SignatureError as exc:
-                _anomaly(
-                    runtime, "signature_invalid", conn=conn, envelope=envelope, endpoint=endpoint
-                )
-                log.error("job_signature_invalid", reason=exc.__class__.__name__)
-                return Applied("signature_invalid")
-        event, malformed = _read_event(gateway, envelope)
+        except SignatureError as exc:
+            _anomaly(runtime, "signature_invalid", conn=conn, envelope=envelope, endpoint=endpoint)
+            log.error("job_signature_invalid", reason=exc.__class__.__name__)
+            return Applied("signature_invalid")
+    event, malformed = _read_event(gateway, envelope)
+    structlog.contextvars.bind_contextvars(event_id=event.event_id)
+    events = [(event, malformed)]
+    if malformed is not None:
+        log.error("event_malformed", field=malformed.field, reason=malformed.reason)
+    elif event.links_to is not None:
+        # What the event only links to, from the gateway's API, before any
+        # transaction; GatewayUnavailable goes to RQ: the job is retried.
+        # Each event it stands for is applied in a transaction of its own,
+        # keyed by its own id: a retry after a crash between them applies
+        # the rest and finds the first a duplicate.
+        events = _completed(runtime, gateway, endpoint, event)
+    context = structlog.contextvars.get_contextvars()
+    return Prepared(gateway, endpoint, envelope, events, context)
+
+
+def _apply_each(runtime: Runtime, conn: psycopg.Connection[Row], prepared: Prepared) -> Applied:
+    """The events of one job, each in a transaction of its own: the last outcome."""
+    for event, malformed in prepared.events:
         structlog.contextvars.bind_contextvars(event_id=event.event_id)
-        events = [(event, malformed)]
-        if malformed is not None:
-            log.error("event_malformed", field=malformed.field, reason=malformed.reason)
-        elif event.links_to is not None:
-            # What the event only links to, from the gateway's API, before any
-            # transaction; GatewayUnavailable goes to RQ: the job is retried.
-            # Each event it stands for is applied in a transaction of its own,
-            # keyed by its own id: a retry after a crash between them applies
-            # the rest and finds the first a duplicate.
-            events = _completed(runtime, gateway, endpoint, event)
-        for event, malformed in events:
-            structlog.contextvars.bind_contextvars(event_id=event.event_id)
-            result = _apply(runtime, conn, endpoint, event, malformed, envelope.delivery_id)
-            if result.outcome != "duplicate":
-                waited = time.time() - envelope.received_at.timestamp()
-                runtime.flow.observe(gateway.name, waited)
-    runtime.flow.flush_due(runtime.redis)
+        result = _apply(runtime, conn, prepared, event, malformed)
     return result
+
+
+def _apply_together(
+    runtime: Runtime,
+    conn: psycopg.Connection[Row],
+    together: list[tuple[int, Prepared, dict[str, Any]]],
+) -> list[tuple[int, Applied | Exception]]:
+    """The events of several jobs in one transaction; alone, or should that
+    transaction fail, each in one of its own."""
+    if len(together) > 1:
+        try:
+            applied = apply_events(conn, [params for _, _, params in together])
+        except psycopg.Error as exc:
+            structlog.contextvars.clear_contextvars()
+            log.warning("batch_applied_one_by_one", events=len(together), sqlstate=exc.sqlstate)
+        else:
+            results: list[tuple[int, Applied | Exception]] = []
+            for (i, prepared, _), result in zip(together, applied, strict=True):
+                _bind(prepared.context)
+                try:
+                    results.append((i, _done(_after(runtime, conn, prepared, result))))
+                except Exception as exc:
+                    results.append((i, _failed(exc)))
+            return results
+    results = []
+    for i, prepared, _ in together:
+        _bind(prepared.context)
+        try:
+            event, malformed = prepared.events[0]
+            results.append((i, _done(_apply(runtime, conn, prepared, event, malformed))))
+        except Exception as exc:
+            results.append((i, _failed(exc)))
+    return results
+
+
+def _params(
+    runtime: Runtime, prepared: Prepared, event: Event, malformed: MalformedEvent | None
+) -> dict[str, Any]:
+    return call_params(
+        prepared.endpoint,
+        event,
+        prepared.envelope.delivery_id,
+        forced_outcome=None if malformed is None else "malformed",
+        forced_detail=None if malformed is None else malformed.detail,
+        horizon=receipt_horizon(runtime.settings.receipt_retention),
+    )
+
+
+def _bind(context: dict[str, Any]) -> None:
+    structlog.contextvars.clear_contextvars()
+    structlog.contextvars.bind_contextvars(**context)
+
+
+def _done(result: Applied) -> Applied:
+    """One job's outcome, logged: its one canonical line."""
+    log.info("event_applied", outcome=result.outcome, retries=result.retries)
+    return result
+
+
+def _failed(exc: Exception) -> Exception:
+    """The exception a job raises to RQ; PostgreSQL's as class and SQLSTATE only."""
+    if isinstance(exc, psycopg.Error):
+        return DatabaseError(error_summary(exc))
+    return exc
 
 
 def _apply(
     runtime: Runtime,
     conn: psycopg.Connection[Row],
-    endpoint: Endpoint,
+    prepared: Prepared,
     event: Event,
     malformed: MalformedEvent | None,
-    delivery_id: str,
 ) -> Applied:
     try:
         result = apply_with_retries(
             conn,
-            endpoint,
+            prepared.endpoint,
             event,
-            delivery_id,
+            prepared.envelope.delivery_id,
             retries=runtime.settings.serialization_retries,
             forced_outcome=None if malformed is None else "malformed",
             forced_detail=None if malformed is None else malformed.detail,
@@ -141,9 +267,20 @@ def _apply(
     except TooManyRetries as exc:
         _count_retries(runtime, exc.attempts)
         raise
+    return _after(runtime, conn, prepared, result)
+
+
+def _after(
+    runtime: Runtime, conn: psycopg.Connection[Row], prepared: Prepared, result: Applied
+) -> Applied:
+    """Once an event's transaction committed: its retries counted, the
+    events that waited for it replayed, its time from receipt to commit."""
     _count_retries(runtime, result.retries)
     if result.parked and result.order_id is not None:
-        replay_parked(conn, endpoint.tenant_id, result.order_id)
+        replay_parked(conn, prepared.endpoint.tenant_id, result.order_id)
+    if result.outcome != "duplicate":
+        waited = time.time() - prepared.envelope.received_at.timestamp()
+        runtime.flow.observe(prepared.gateway.name, waited)
     return result
 
 

@@ -41,6 +41,7 @@ def build_worker(settings: Settings, runtime: Runtime | None = None) -> PayhookW
     )
     worker.job_grace = settings.job_grace
     worker.faults = settings.faults
+    worker.batch_size = settings.consumer_batch
     if runtime is not None:
         worker.applier = Applier(runtime)
     return worker

@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from collections.abc import Iterable
+from functools import partial
 from typing import Any, cast
 
 import structlog
@@ -30,13 +32,15 @@ from redis import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from rq import Queue
-from rq.exceptions import NoSuchJobError
 from rq.job import Job
-from rq.serializers import JSONSerializer
+from rq.timeouts import JobTimeoutException
 from rq.utils import now as rq_now
 from rq.worker import SimpleWorker, WorkerStatus
 
-from consumer.applier import Applier
+from consumer import batch as batching
+from consumer.applier import Applier, result_of
+from consumer.batch import read_job, read_jobs, take_ids
+from consumer.transaction import Applied
 from payhook import quarantine
 from payhook.compat import (
     JobWithDataHook,
@@ -44,8 +48,8 @@ from payhook.compat import (
     rq_dependency_ids,
     set_worker_state,
 )
-from payhook.errors import ForbiddenJob, PayhookError, RefusedJob, UnreadableJob
-from payhook.jobhash import check_job_id, data_bound
+from payhook.errors import ForbiddenJob, PayhookError, RefusedJob
+from payhook.jobhash import data_bound
 from payhook.queue import APPLY_EVENT, ReadableJob
 from payhook.settings import MAX_JOB_TIMEOUT, Settings
 
@@ -53,11 +57,14 @@ log = structlog.get_logger(__name__)
 
 #: The only job functions a consumer will import and call.
 ALLOWED_FUNCTIONS = frozenset({APPLY_EVENT})
-#: Fault points: SIGKILL this process once a job's event is committed, before
-#: RQ records anything of the job's start, or between its two writes of it
-#: (the execution, then the job's status).
+#: Fault points: SIGKILL this process once a batch is taken (its ids in the
+#: intermediate list, nothing begun); once its events are committed, before
+#: anything of the jobs' start is recorded, between the two writes of it (the
+#: executions, then the jobs' status), or once both are written.
+FAULT_KILL_AFTER_TAKE = "consumer_kill_after_take"
 FAULT_KILL_BEFORE_STARTED = "consumer_kill_before_started"
 FAULT_KILL_BETWEEN_START_WRITES = "consumer_kill_between_start_writes"
+FAULT_KILL_AFTER_COMMIT = "consumer_kill_after_commit"
 #: Characters of a quarantined job's id in its log line.
 MAX_LOGGED_ID = 200
 
@@ -129,7 +136,7 @@ class PayhookJob(ReadableJob, JobWithDataHook):
         if self.applier is None:
             raise PayhookError(f"job {self.id} runs only in a payhook consumer, on its Applier")
         try:
-            return self.applier.finish(self.id, envelope)
+            return self.applier.finish(envelope)
         except RefusedJob:
             self.retries_left = 0  # retrying would only record the anomaly again
             raise
@@ -159,29 +166,6 @@ def job_class_for(settings: Settings) -> type[PayhookJob]:
     if bound == PayhookJob.max_data:
         return PayhookJob
     return type("PayhookJob", (PayhookJob,), {"max_data": bound})
-
-
-def read_job(
-    connection: Redis, job_class: type[Job], raw_id: bytes, queue: str
-) -> tuple[Job | None, str | None]:
-    """The job `raw_id` of `queue`, or why it cannot be read: `(job, None)`,
-    `(None, reason)`, or `(None, None)` when it has no hash at all (RQ passes
-    over a missing job). A lost connection to Redis is raised, never taken
-    for an unreadable job."""
-    try:
-        job_id = check_job_id(raw_id)
-        job = job_class.fetch(job_id, connection=connection, serializer=JSONSerializer)
-    except NoSuchJobError:
-        return None, None
-    except (RedisConnectionError, RedisTimeoutError):
-        raise
-    except UnreadableJob as exc:
-        return None, str(exc)
-    except Exception as exc:  # a key of another type (WRONGTYPE), or anything RQ raises
-        return None, f"RQ could not read it ({exc.__class__.__name__})"
-    if job.origin != queue:
-        return None, "origin: not this queue"
-    return job, None
 
 
 class PayhookQueue(Queue):
@@ -223,6 +207,21 @@ class PayhookQueue(Queue):
             elif job is not None:
                 return job, queue
             # No hash: as RQ, the intermediate list's cleanup drops the id.
+
+    def take(self, limit: int) -> list[Job]:
+        """Up to `limit` more jobs, moved at once into the intermediate list
+        (`consumer.batch`), without waiting; the unreadable ones quarantined."""
+        raw_ids = take_ids(self.connection, self.key, self.intermediate_queue_key, limit)
+        jobs = []
+        for raw_id, (job, reason) in zip(
+            raw_ids, read_jobs(self.connection, self.job_class, raw_ids, self.name), strict=True
+        ):
+            if reason is not None:
+                self.quarantine(raw_id, reason, source=self.intermediate_queue_key, kind="list")
+            elif job is not None:
+                jobs.append(job)
+            # No hash: as RQ, the intermediate list's cleanup drops the id.
+        return jobs
 
     def quarantine(
         self,
@@ -272,8 +271,12 @@ class PayhookQueue(Queue):
 
 class PayhookWorker(SimpleWorker):
     """Runs jobs in its own process (no fork per job), so the pool is reused,
-    and begins a job's event on the applier thread before RQ records the job
-    as started (`begin_ahead`).
+    a batch at a time (`consumer.batch`): it takes up to `batch_size` jobs
+    at once and begins their events on the applier thread before recording
+    them as started.
+
+    A batch is what is waiting, never more: under light load a job is
+    taken as it comes, alone, with no wait for company.
 
     An abandoned job (worker SIGKILLed) is retried once its execution entry
     expires: job timeout + `job_grace` seconds after it started, found by the
@@ -286,6 +289,8 @@ class PayhookWorker(SimpleWorker):
     job_class = PayhookJob
     queue_class = PayhookQueue
     job_grace = 15
+    #: Most jobs taken, started, applied and finished together.
+    batch_size = 1
     #: Applies the events of the jobs this worker runs (`consumer.main` gives it).
     applier: Applier | None = None
     #: Test-only fault points (PAYHOOK_FAULTS).
@@ -317,49 +322,87 @@ class PayhookWorker(SimpleWorker):
         pubsub.close()
 
     def execute_job(self, job: Job, queue: Queue) -> None:
-        """RQ's two writes recording the job as started (its execution, then
-        its status) each wait for Redis's fsync: the job's own work, begun
-        before both, waits for PostgreSQL's meanwhile."""
-        # The job is in hand from here, as RQ's first write will tell Redis:
-        # a stop asked for while it is begun waits for it to finish, instead
-        # of raising StopRequested in the middle of `begin_ahead`.
+        """Run `job` and up to `batch_size` - 1 more jobs waiting behind it:
+        the `apply_event` jobs as one batch, any other as RQ runs it (which
+        refuses or fails it)."""
+        # The jobs are in hand from here, as the first write of their start
+        # will tell Redis: a stop asked for meanwhile waits for them to
+        # finish, instead of raising StopRequested in the middle of a batch.
         set_worker_state(self, WorkerStatus.BUSY)
+        jobs = [job]
+        if self.batch_size > 1 and isinstance(queue, PayhookQueue):
+            jobs += queue.take(self.batch_size - 1)
+        if FAULT_KILL_AFTER_TAKE in self.faults:
+            self._killed_by_fault(FAULT_KILL_AFTER_TAKE)
+        batch = [taken for taken in jobs if self._batchable(taken)]
+        if batch:
+            self.execute_batch(batch, queue)
+        for taken in jobs:
+            if not any(taken is batched for batched in batch):
+                self.execute_alone(taken, queue)
+
+    def execute_alone(self, job: Job, queue: Queue) -> None:
+        """Run one job as RQ runs it: its function (`PayhookJob.func`)
+        refuses it, fails it, or applies its event on this thread."""
         if isinstance(job, PayhookJob):
             job.applier = self.applier
-        self.begin_ahead(job)
         super().execute_job(job, queue)
 
-    def prepare_job_execution(self, job: Job, remove_from_intermediate_queue: bool = False) -> None:
-        if FAULT_KILL_BETWEEN_START_WRITES in self.faults:
-            self._killed_by_fault(FAULT_KILL_BETWEEN_START_WRITES)
-        super().prepare_job_execution(job, remove_from_intermediate_queue)
-
-    def begin_ahead(self, job: Job) -> None:
-        """Begin applying the event of an `apply_event` job on the applier
-        (`Applier.begin`); any other job is left to RQ, which refuses or fails it.
-
-        This runs in RQ's loop, outside the job: an error here would stop the
-        worker. A job that cannot be begun is left to its job, which applies
-        the event itself or fails as RQ records failures.
-        """
-        if self.applier is None:
-            return
+    def _batchable(self, job: Job) -> bool:
+        """An `apply_event` job that passes PayhookJob's checks, on a worker
+        that applies events."""
+        if self.applier is None or not isinstance(job, PayhookJob):
+            return False
         try:
-            if job.func_name != APPLY_EVENT:
-                return
-            job.func  # noqa: B018 - PayhookJob's checks, before anything runs
+            return job.func_name == APPLY_EVENT and job.func is not None
         except Exception:  # refused, or unreadable: RQ fails the job as usual
-            return
+            return False
+
+    def execute_batch(self, jobs: list[Job], queue: Queue) -> None:
+        """Begin the jobs' events, record the jobs as started, collect each
+        outcome, then record the successes as finished in one write and fail
+        the rest as RQ fails a job (retried, or to the dead-letter queue)."""
+        assert self.applier is not None
         try:
-            self.applier.begin(job.id, job.args[0])
+            begun = self.applier.begin([job.args[0] for job in jobs])
         except Exception:
-            log.exception("event_not_begun", job_id=job.id)
+            # This runs in RQ's loop, outside any job: an error here would
+            # stop the worker. Each job applies its own event instead.
+            log.exception("batch_not_begun", jobs=len(jobs))
+            for job in jobs:
+                self.execute_alone(job, queue)
             return
         if FAULT_KILL_BEFORE_STARTED in self.faults:
             self._killed_by_fault(FAULT_KILL_BEFORE_STARTED)
+        between = None
+        if FAULT_KILL_BETWEEN_START_WRITES in self.faults:
+            between = partial(self._killed_by_fault, FAULT_KILL_BETWEEN_START_WRITES)
+        executions = batching.record_started(
+            self, jobs, cast(PayhookQueue, queue).intermediate_queue_key, between=between
+        )
+        timeout = min(job.timeout or self.queue_class.DEFAULT_TIMEOUT for job in jobs)
+        try:
+            with self.death_penalty_class(timeout, JobTimeoutException, job_id=jobs[0].id):
+                results: list[Applied | Exception] = self.applier.collect(begun)
+        except Exception as exc:  # the batch's timeout: every job of it failed
+            results = [exc] * len(jobs)
+        if FAULT_KILL_AFTER_COMMIT in self.faults:
+            self._killed_by_fault(FAULT_KILL_AFTER_COMMIT)
+        finished = []
+        for job, execution, result in zip(jobs, executions, results, strict=True):
+            try:
+                if isinstance(result, Exception):
+                    raise result
+                finished.append((job, execution, result_of(result)))
+            except RefusedJob:
+                job.retries_left = 0  # retrying would only record the anomaly again
+                self._finalize_failure(job, queue, execution, sys.exc_info())
+            except Exception:
+                self._finalize_failure(job, queue, execution, sys.exc_info())
+        batching.record_finished(self, finished, self.default_result_ttl)
 
     def _killed_by_fault(self, fault: str) -> None:
-        """Once the event begun is committed (or has failed)."""
+        """Once the events begun are committed (or have failed)."""
         if self.applier is not None:
             self.applier.wait()
         log.warning("fault_kill", fault=fault)

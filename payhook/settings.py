@@ -103,6 +103,8 @@ def _seconds(value: float) -> str:
 #: carrying a longer one, which payhook never writes: a forged timeout could
 #: otherwise make RQ's bookkeeping fail outside the job and stop the worker.
 MAX_JOB_TIMEOUT = 86_400
+#: Most jobs a consumer takes at once: one transaction holds their locks together.
+MAX_CONSUMER_BATCH = 256
 
 
 @dataclass(frozen=True)
@@ -136,6 +138,8 @@ class Settings:
     job_grace: int = 15
     #: Seconds between RQ maintenance passes that requeue abandoned jobs.
     maintenance_interval: int = 30
+    #: Most jobs a consumer takes and applies together (at most MAX_CONSUMER_BATCH).
+    consumer_batch: int = 16
     #: RQ retries of one event job that raised (database down) or was abandoned
     #: by a killed worker, with these intervals in seconds. The first is 0: an
     #: immediate requeue needs no RQ scheduler, so an abandoned job comes back
@@ -209,6 +213,7 @@ class Settings:
             "job_timeout": "PAYHOOK_JOB_TIMEOUT",
             "job_grace": "PAYHOOK_JOB_GRACE",
             "maintenance_interval": "PAYHOOK_MAINTENANCE_INTERVAL",
+            "consumer_batch": "PAYHOOK_CONSUMER_BATCH",
             "serialization_retries": "PAYHOOK_SERIALIZATION_RETRIES",
             "max_body": "PAYHOOK_MAX_BODY",
             "retention_batch": "PAYHOOK_RETENTION_BATCH",
@@ -216,6 +221,11 @@ class Settings:
         for attr, name in ints.items():
             if name in environ:
                 values[attr] = positive_int(name, environ[name])
+        if values.get("consumer_batch", 0) > MAX_CONSUMER_BATCH:
+            raise SettingsError(
+                f"PAYHOOK_CONSUMER_BATCH: expected at most {MAX_CONSUMER_BATCH} jobs, "
+                f"got {values['consumer_batch']}"
+            )
         if values.get("job_timeout", 0) > MAX_JOB_TIMEOUT:
             raise SettingsError(
                 f"PAYHOOK_JOB_TIMEOUT: expected at most {MAX_JOB_TIMEOUT} seconds, "

@@ -335,3 +335,57 @@ def test_a_consumer_exits_0_when_told_to_stop_and_1_when_its_loop_broke(
         stop(broken)
     assert broken.returncode == 1, output.decode()[-2000:]
     assert b"consumer_stopped_unexpectedly" in output
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "fault",
+    [
+        "consumer_kill_after_take",
+        "consumer_kill_before_started",
+        "consumer_kill_between_start_writes",
+        "consumer_kill_after_commit",
+    ],
+)
+def test_a_worker_killed_inside_a_batch_loses_nothing_and_applies_nothing_twice(
+    settings: Settings, redis_conn: Redis, factory: Factory, tmp_path: Path, fault: str
+) -> None:
+    """Five jobs taken as one batch; the worker SIGKILLed once it has taken
+    them, once their transaction committed (before RQ recorded anything of
+    their start, between its two writes, or after both). RQ's recovery
+    returns every job; each event has one receipt, one transition and one
+    outbox row, applied by the batch or by the retry, never both."""
+    shop = factory.shop()
+    env = process_env(settings, **FAST)
+    queue = events_queue(redis_conn, Settings.from_env(env))
+    orders, jobs = [], []
+    for i in range(5):
+        orders.append(factory.order(shop, f"order-{i}", f"pi_{i}"))
+        event = StandardEvent(gateway_order_id=f"pi_{i}", merchant_reference=f"order-{i}")
+        envelope = factory.standard_envelope(shop, event)
+        jobs.append(enqueue_event(queue, envelope, Settings.from_env(env)).id)
+    killed_by_fault(fault, env, tmp_path)
+    committed = fault != "consumer_kill_after_take"
+    assert factory.count("payment_event_receipts", outcome="applied") == (5 if committed else 0)
+    intermediate = queue.intermediate_queue
+    if fault != "consumer_kill_after_commit":
+        assert sorted(intermediate.get_job_ids()) == sorted(jobs)
+        for job_id in jobs:  # dated back rather than wait RQ's minute
+            redis_conn.set(intermediate.get_first_seen_key(job_id), time.time() - 120)
+
+    survivor = start(["consumer"], env, tmp_path / "survivor.log")
+    try:
+        wait_until(
+            lambda: all(fetch(redis_conn, j).get_status() == JobStatus.FINISHED for j in jobs),
+            timeout=45,
+            what="every job of the batch to be retried and finish",
+        )
+    finally:
+        stop(survivor)
+    outcomes = [cast(dict[str, Any], fetch(redis_conn, j).return_value())["outcome"] for j in jobs]
+    assert outcomes == ["duplicate" if committed else "applied"] * 5
+    assert intermediate.get_job_ids() == []
+    for order_id in orders:
+        assert factory.count("payment_order_transitions", order_id=order_id) == 1
+        assert factory.count("payment_outbox", order_id=order_id) == 1
+    assert factory.count("payment_event_receipts") == 5

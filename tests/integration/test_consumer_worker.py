@@ -1,4 +1,4 @@
-"""PayhookWorker begins applying an event while RQ records its job as started."""
+"""PayhookWorker begins applying a batch's events while it records their jobs as started."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from rq.registry import StartedJobRegistry
 from rq.serializers import JSONSerializer
 
 from consumer import applier as applier_module
+from consumer import batch as batch_module
 from consumer import handler as handler_module
 from consumer import jobs
 from consumer.applier import Applier
@@ -28,30 +29,6 @@ from payhook.settings import Settings
 from tests.factories import Factory, StandardEvent
 from tests.locks import released_after
 from tests.processes import wait_until
-
-
-class Watched(PayhookWorker):
-    """Records what the database holds before RQ records the job as started."""
-
-    def __init__(self, *args: Any, factory: Factory, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.factory = factory
-        self.applied_before_started: list[bool] = []
-
-    def begin_ahead(self, job: Job) -> None:
-        super().begin_ahead(job)
-        try:
-            wait_until(
-                lambda: self.factory.count("payment_event_receipts", outcome="applied") == 1,
-                timeout=10,
-                what="the event to commit before RQ records its job as started",
-            )
-        except AssertionError:
-            self.applied_before_started.append(False)
-        else:
-            self.applied_before_started.append(True)
-        assert job.get_status(refresh=True) == JobStatus.QUEUED
-        assert job.id not in StartedJobRegistry(job.origin, connection=self.connection)
 
 
 def built_as(
@@ -77,11 +54,29 @@ def test_the_event_commits_while_rq_records_its_job_as_started(
     order_id = factory.order(shop)
     queue = events_queue(redis_conn, settings)
     job = enqueue_event(queue, factory.standard_envelope(shop, StandardEvent()), settings)
+    applied_before_started = []
+    record = batch_module.record_started
 
-    worker = built_as(Watched, settings, runtime, factory=factory)
-    worker.work(burst=True, logging_level="ERROR")
+    def watched(worker: PayhookWorker, jobs: list[Job], *args: Any, **kwargs: Any) -> Any:
+        try:
+            wait_until(
+                lambda: factory.count("payment_event_receipts", outcome="applied") == 1,
+                timeout=10,
+                what="the event to commit before RQ records its job as started",
+            )
+        except AssertionError:
+            applied_before_started.append(False)
+        else:
+            applied_before_started.append(True)
+        assert [j.get_status(refresh=True) for j in jobs] == [JobStatus.QUEUED]
+        assert job.id not in StartedJobRegistry(job.origin, connection=redis_conn)
+        return record(worker, jobs, *args, **kwargs)
 
-    assert worker.applied_before_started == [True]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(batch_module, "record_started", watched)
+        build_worker(settings, runtime).work(burst=True, logging_level="ERROR")
+
+    assert applied_before_started == [True]
     done = Job.fetch(job.id, connection=redis_conn, serializer=JSONSerializer)
     assert done.get_status() == JobStatus.FINISHED
     assert done.return_value() == {"outcome": "applied", "order_id": order_id, "retries": 0}
@@ -97,14 +92,14 @@ def test_the_event_is_applied_on_the_applier_thread(
     queue = events_queue(redis_conn, settings)
     enqueue_event(queue, factory.standard_envelope(shop, StandardEvent()), settings)
     threads = []
-    handle = handler_module.handle
+    handle_many = handler_module.handle_many
 
-    def spy(runtime: Runtime, envelope: Any) -> Any:
+    def spy(runtime: Runtime, envelopes: Any) -> Any:
         threads.append(threading.current_thread().name)
-        return handle(runtime, envelope)
+        return handle_many(runtime, envelopes)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(applier_module, "handle", spy)
+        patch.setattr(applier_module, "handle_many", spy)
         build_worker(settings, runtime).work(burst=True, logging_level="ERROR")
     assert len(threads) == 1 and threads[0].startswith("payhook-applier")
 
@@ -117,7 +112,7 @@ def test_a_job_the_worker_did_not_begin_is_applied_on_its_own_thread(
     envelope = factory.standard_envelope(shop, StandardEvent())
     applier = Applier(runtime)
     try:
-        assert applier.finish("a-job", envelope.to_json())["outcome"] == "applied"
+        assert applier.finish(envelope.to_json())["outcome"] == "applied"
     finally:
         applier.close()
     assert factory.order_state(shop, order_id) == "paid"
@@ -128,17 +123,17 @@ def test_the_job_function_run_outside_a_consumer_refuses() -> None:
         jobs.apply_event({})
 
 
-def test_a_job_that_cannot_be_begun_ahead_is_applied_by_its_job_function(
+def test_a_batch_that_cannot_be_begun_is_applied_by_its_job_functions(
     settings: Settings, redis_conn: Redis, factory: Factory, runtime: Runtime
 ) -> None:
     """Beginning runs in RQ's loop, outside the job: a failure there must not
-    stop the worker, and the job still applies its event, once."""
+    stop the worker, and each job still applies its event, once."""
     shop = factory.shop()
     order_id = factory.order(shop)
     queue = events_queue(redis_conn, settings)
     job = enqueue_event(queue, factory.standard_envelope(shop, StandardEvent()), settings)
 
-    def broken(self: Applier, job_id: str, envelope: Any) -> None:
+    def broken(self: Applier, envelopes: Any) -> None:
         raise RuntimeError("cannot schedule new futures after interpreter shutdown")
 
     with pytest.MonkeyPatch.context() as patch:
@@ -216,9 +211,17 @@ def test_a_worker_with_no_runtime_fails_the_job_and_goes_on(
 
 
 class StoppedWhileBeginning(PayhookWorker):
-    def begin_ahead(self, job: Job) -> None:
-        super().begin_ahead(job)
-        os.kill(os.getpid(), signal.SIGTERM)
+    def execute_batch(self, jobs: list[Job], queue: Any) -> None:
+        assert self.applier is not None
+        begin = self.applier.begin
+
+        def begin_then_stop(envelopes: Any) -> Any:
+            begun = begin(envelopes)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return begun
+
+        self.applier.begin = begin_then_stop  # type: ignore[method-assign]
+        super().execute_batch(jobs, queue)
 
 
 def test_a_stop_asked_for_while_an_event_is_begun_waits_for_its_job(
@@ -236,6 +239,7 @@ def test_a_stop_asked_for_while_an_event_is_begun_waits_for_its_job(
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         worker = built_as(StoppedWhileBeginning, settings, runtime)
+        worker.batch_size = 1  # one job in hand
         worker.work(burst=True, logging_level="ERROR")
     finally:
         for sig, handler in handlers.items():
@@ -246,36 +250,6 @@ def test_a_stop_asked_for_while_an_event_is_begun_waits_for_its_job(
     assert done.return_value() == {"outcome": "applied", "order_id": order_id, "retries": 0}
     assert queue.get_job_ids() == [waiting.id]
     assert queue.intermediate_queue.get_job_ids() == []
-
-
-class NothingAhead(PayhookWorker):
-    def begin_ahead(self, job: Job) -> None:
-        """Begins nothing: each job function finds what was begun before."""
-
-
-def test_an_outcome_begun_for_another_job_is_not_taken(
-    settings: Settings, redis_conn: Redis, factory: Factory, runtime: Runtime
-) -> None:
-    """A job whose function never ran (RQ could not record it) leaves its
-    outcome behind; the next job applies its own event."""
-    shop = factory.shop()
-    first = factory.order(shop, "order-1", "pi_1")
-    second = factory.order(shop, "order-2", "pi_2")
-    begun = StandardEvent(gateway_order_id="pi_1", merchant_reference="order-1")
-    worker = built_as(NothingAhead, settings, runtime)
-    assert worker.applier is not None
-    worker.applier.begin("another-job", factory.standard_envelope(shop, begun).to_json())
-    worker.applier.wait()
-    own = StandardEvent(gateway_order_id="pi_2", merchant_reference="order-2")
-    queue = events_queue(redis_conn, settings)
-    job = enqueue_event(queue, factory.standard_envelope(shop, own), settings)
-
-    worker.work(burst=True, logging_level="ERROR")
-
-    done = Job.fetch(job.id, connection=redis_conn, serializer=JSONSerializer)
-    assert done.return_value() == {"outcome": "applied", "order_id": second, "retries": 0}
-    assert factory.order_state(shop, first) == "paid"
-    assert factory.order_state(shop, second) == "paid"
 
 
 def test_a_job_timeout_while_the_applier_waits_on_a_lock_cancels_its_statement(

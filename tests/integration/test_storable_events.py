@@ -50,7 +50,7 @@ def apply_now(runtime: Runtime, envelope: Any) -> dict[str, Any]:
     """A job as a worker runs it when it began nothing: applied on this thread."""
     applier = Applier(runtime)
     try:
-        return applier.finish(None, envelope)
+        return applier.finish(envelope)
     finally:
         applier.close()
 
