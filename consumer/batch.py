@@ -34,11 +34,12 @@ from redis import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from rq.executions import Execution
-from rq.job import Job, JobStatus
+from rq.job import Job
 from rq.serializers import JSONSerializer
 from rq.utils import now
 from rq.worker import BaseWorker
 
+from payhook.compat import record_job_success
 from payhook.errors import UnreadableJob
 from payhook.jobhash import check_job_id
 
@@ -163,16 +164,16 @@ def record_finished(
         worked = timedelta()
         for job, execution, value in finished:
             job.ended_at = ended
-            job._result = value
-            job._status = JobStatus.FINISHED
             result_ttl = job.get_result_ttl(default_result_ttl)
-            job._handle_success(
+            record_job_success(
+                job,
+                value,
                 result_ttl,
-                pipeline=pipe,
+                pipe,
                 worker_name=worker.name,
                 execution_id=execution.id,
-                execution_started_at=execution.created_at,
-                execution_ended_at=ended,
+                started_at=execution.created_at,
+                ended_at=ended,
             )
             job.cleanup(result_ttl, pipeline=pipe, remove_from_queue=False)
             worker.cleanup_execution(job, pipeline=pipe, execution=execution)

@@ -44,6 +44,7 @@ from consumer.transaction import Applied
 from payhook import quarantine
 from payhook.compat import (
     JobWithDataHook,
+    fail_job,
     rq_callback_names,
     rq_dependency_ids,
     set_worker_state,
@@ -396,9 +397,9 @@ class PayhookWorker(SimpleWorker):
                 finished.append((job, execution, result_of(result)))
             except RefusedJob:
                 job.retries_left = 0  # retrying would only record the anomaly again
-                self._finalize_failure(job, queue, execution, sys.exc_info())
+                fail_job(self, job, queue, execution, sys.exc_info())
             except Exception:
-                self._finalize_failure(job, queue, execution, sys.exc_info())
+                fail_job(self, job, queue, execution, sys.exc_info())
         batching.record_finished(self, finished, self.default_result_ttl)
 
     def _killed_by_fault(self, fault: str) -> None:

@@ -20,13 +20,16 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
+from datetime import datetime
 from pathlib import Path
+from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from redis.asyncio.connection import AbstractConnection
 from redis.client import Pipeline
 from rq import Queue
-from rq.job import Job
+from rq.executions import Execution
+from rq.job import Job, JobStatus
 from rq.worker import BaseWorker
 
 from payhook.errors import IncompatibleDependency
@@ -128,6 +131,54 @@ def set_worker_state(worker: BaseWorker, state: str) -> None:
     state in Redis; one more write there would wait for another fsync.
     """
     worker._state = state
+
+
+def record_job_success(
+    job: Job,
+    value: Any,
+    result_ttl: int,
+    pipeline: Pipeline,
+    *,
+    worker_name: str,
+    execution_id: str,
+    started_at: datetime,
+    ended_at: datetime,
+) -> None:
+    """Queue on `pipeline` what RQ's worker writes for a job that returned
+    `value`: its result, status `finished`, its place in the finished
+    registry (RQ's `Job._handle_success`), after setting the job's cached
+    result and status as the worker does (`_result`, `_status`).
+
+    A consumer finishes a batch of jobs in one MULTI; RQ's public
+    `handle_job_success` takes one job and runs its own transaction.
+    """
+    job._result = value
+    job._status = JobStatus.FINISHED
+    job._handle_success(
+        result_ttl,
+        pipeline=pipeline,
+        worker_name=worker_name,
+        execution_id=execution_id,
+        execution_started_at=started_at,
+        execution_ended_at=ended_at,
+    )
+
+
+def fail_job(
+    worker: BaseWorker,
+    job: Job,
+    queue: Queue,
+    execution: Execution,
+    exc_info: tuple[type[BaseException] | None, BaseException | None, TracebackType | None],
+) -> None:
+    """What RQ's worker does with a job that raised (`_finalize_failure`):
+    it records the failure, then retries the job or keeps it in the failed
+    registry (the dead-letter queue), as for any job it ran itself.
+
+    A consumer fails the jobs of a batch one by one, each with its own
+    exception, outside RQ's `perform_job`.
+    """
+    worker._finalize_failure(job, queue, execution, exc_info)
 
 
 # -- httpx and httpcore -------------------------------------------------------

@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import signal
+import sys
 import tempfile
 import warnings
 from pathlib import Path
@@ -20,6 +21,8 @@ from redis import Redis
 from redis.asyncio.connection import ConnectionPool
 from rq import Queue
 from rq.exceptions import StopRequested
+from rq.executions import Execution
+from rq.job import Job
 from rq.serializers import JSONSerializer
 from rq.worker import SimpleWorker, WorkerStatus
 
@@ -69,6 +72,57 @@ def test_rq_worker_stopped_while_its_state_says_busy_waits_for_the_job(redis_con
     finally:
         for signum, handler in handlers.items():
             signal.signal(signum, handler)
+
+
+def started_job(redis_conn: Redis) -> tuple[Queue, SimpleWorker, Job, Execution]:
+    """A job RQ's worker would be running: its execution recorded, started."""
+    queue = Queue("compat", connection=redis_conn, serializer=JSONSerializer)
+    job = queue.enqueue("bench.consumer_worker.noop", {}, retry=None, failure_ttl=60)
+    worker = SimpleWorker([queue], connection=redis_conn, serializer=JSONSerializer)
+    worker.register_birth()  # type: ignore[no-untyped-call]
+    execution = worker.prepare_execution(job)
+    with redis_conn.pipeline() as pipe:
+        job.prepare_for_execution(worker.name, pipeline=pipe)
+        pipe.execute()
+    return queue, worker, job, execution
+
+
+def test_rq_job_success_is_recorded_into_a_pipeline(redis_conn: Redis) -> None:
+    queue, worker, job, execution = started_job(redis_conn)
+    with redis_conn.pipeline() as pipe:
+        compat.record_job_success(
+            job,
+            {"outcome": "applied"},
+            60,
+            pipe,
+            worker_name=worker.name,
+            execution_id=execution.id,
+            started_at=execution.created_at,
+            ended_at=execution.created_at,
+        )
+        assert redis_conn.hget(job.key, "status") == b"started", "written before the pipeline ran"
+        pipe.execute()
+    done = Job.fetch(job.id, connection=redis_conn, serializer=JSONSerializer)
+    assert done.get_status() == "finished", changed("rq", "what `_handle_success` writes")
+    assert job.id in queue.finished_job_registry, changed("rq", "the finished registry")
+    result = done.latest_result()
+    assert result is not None and result.return_value == {"outcome": "applied"}, changed(
+        "rq", "the result `_handle_success` records from `_result`"
+    )
+
+
+def test_rq_worker_fails_a_job_it_did_not_run_itself(redis_conn: Redis) -> None:
+    queue, worker, job, execution = started_job(redis_conn)
+    try:
+        raise RuntimeError("the event could not be applied")
+    except RuntimeError:
+        compat.fail_job(worker, job, queue, execution, sys.exc_info())
+    failed = Job.fetch(job.id, connection=redis_conn, serializer=JSONSerializer)
+    assert failed.get_status() == "failed", changed("rq", "what `_finalize_failure` records")
+    assert job.id in queue.failed_job_registry, changed("rq", "the failed registry")
+    assert job.id not in queue.started_job_registry, changed("rq", "the execution's cleanup")
+    result = failed.latest_result()
+    assert result is not None and "could not be applied" in (result.exc_string or "")
 
 
 @pytest.mark.slow
