@@ -42,6 +42,7 @@ from rq.worker import BaseWorker
 from payhook.compat import record_job_success
 from payhook.errors import UnreadableJob
 from payhook.jobhash import check_job_id
+from payhook.rediswrites import replay
 
 #: Moves up to ARGV[1] ids from the head of KEYS[1] to the tail of KEYS[2],
 #: as RQ's LMOVE does for one: atomically, so none is ever in neither list.
@@ -136,7 +137,7 @@ def record_started(
             worker.executions[execution.id] = execution
             executions.append(execution)
         worker.set_state("busy", pipeline=pipe)
-        pipe.execute()
+        replay(connection, pipe)
     if between is not None:
         between()
     with connection.pipeline() as pipe:
@@ -146,7 +147,7 @@ def record_started(
             job.prepare_for_execution(worker.name, pipeline=pipe)
             pipe.persist(job.key)
             pipe.lrem(intermediate_key, 1, job.id)
-        pipe.execute()
+        replay(connection, pipe)
     return executions
 
 
@@ -181,4 +182,4 @@ def record_finished(
                 worked += ended - job.started_at
         pipe.hincrby(worker.key, "successful_job_count", len(finished))
         pipe.hincrbyfloat(worker.key, "total_working_time", worked.total_seconds())
-        pipe.execute()
+        replay(worker.connection, pipe)

@@ -38,20 +38,9 @@ from payhook.compat import assume_redis_version, pipeline_commands
 from payhook.envelope import Envelope
 from payhook.errors import PayhookError
 from payhook.queue import APPLY_EVENT, enqueue_event, events_queue
+from payhook.rediswrites import REPLAY_SCRIPT, bulk
 from payhook.settings import Settings
 
-#: Runs the commands packed in ARGV as one atomic unit: each command is its
-#: argument count followed by its arguments. The shebang makes Redis refuse
-#: the whole script up front when it is out of memory.
-REPLAY_SCRIPT = b"""#!lua
-local i = 1
-while i <= #ARGV do
-  local n = tonumber(ARGV[i])
-  redis.call(unpack(ARGV, i + 1, i + n))
-  i = i + n + 1
-end
-return 1
-"""
 #: Hash fields RQ sets to the time of enqueueing.
 TIME_FIELDS = frozenset({b"created_at", b"enqueued_at"})
 #: Hash field holding the compressed, serialized call.
@@ -113,7 +102,7 @@ def record_commands(settings: Settings, envelope: Envelope) -> list[Command]:
 
 def pack_command(args: Sequence[bytes]) -> bytes:
     """One command in the Redis protocol (RESP), as an array of bulk strings."""
-    return b"*%d\r\n" % len(args) + b"".join(_bulk(arg) for arg in args)
+    return b"*%d\r\n" % len(args) + b"".join(bulk(arg) for arg in args)
 
 
 @dataclass(frozen=True)
@@ -128,20 +117,16 @@ def pack_jobs(jobs: Sequence[PackedJob]) -> bytes:
     """One `EVAL` of `REPLAY_SCRIPT` that writes every job in `jobs`, atomically."""
     head = [b"EVAL", REPLAY_SCRIPT, b"0"]
     argc = len(head) + sum(job.argc for job in jobs)
-    return b"".join([b"*%d\r\n" % argc, *map(_bulk, head), *(job.argv for job in jobs)])
+    return b"".join([b"*%d\r\n" % argc, *map(bulk, head), *(job.argv for job in jobs)])
 
 
 def pack_commands(commands: Sequence[Command]) -> PackedJob:
     """The ARGV share of a job given as plain commands."""
     parts = []
     for command in commands:
-        parts.append(_bulk(b"%d" % len(command)))
-        parts.extend(map(_bulk, command))
+        parts.append(bulk(b"%d" % len(command)))
+        parts.extend(map(bulk, command))
     return PackedJob(len(parts), b"".join(parts))
-
-
-def _bulk(arg: bytes) -> bytes:
-    return b"$%d\r\n%b\r\n" % (len(arg), arg)
 
 
 def call_data(envelope: Envelope) -> bytes:
@@ -195,9 +180,9 @@ class JobTemplate:
                 if isinstance(arg, _Slot):
                     frame.append(arg)
                 elif isinstance(frame[-1], bytes):
-                    frame[-1] += _bulk(arg)
+                    frame[-1] += bulk(arg)
                 else:
-                    frame.append(_bulk(arg))
+                    frame.append(bulk(arg))
         #: Constant parts as they are, slots as b"" to be filled in.
         self._parts = [part if isinstance(part, bytes) else b"" for part in frame]
         self._slot_at = [(i, part) for i, part in enumerate(frame) if isinstance(part, _Slot)]
@@ -229,7 +214,7 @@ class JobTemplate:
         fill = self._filler(envelope, times)
         parts = self._parts.copy()
         for index, slot in self._slot_at:
-            parts[index] = _bulk(fill(slot))
+            parts[index] = bulk(fill(slot))
         return PackedJob(self._argc, b"".join(parts))
 
     def render(self, envelope: Envelope, times: dict[bytes, bytes]) -> list[Command]:

@@ -15,7 +15,6 @@ from rq.utils import utcformat
 
 from ingress import jobs
 from ingress.jobs import (
-    REPLAY_SCRIPT,
     JobFormatChanged,
     JobTemplate,
     pack_command,
@@ -25,6 +24,7 @@ from ingress.jobs import (
     rq_time,
 )
 from payhook.envelope import Envelope
+from payhook.rediswrites import REPLAY_SCRIPT
 from payhook.settings import Settings
 
 SETTINGS = Settings.from_env({"PAYHOOK_QUEUE": "unit-events", "PAYHOOK_JOB_TIMEOUT": "45"})
