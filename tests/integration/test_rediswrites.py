@@ -11,7 +11,16 @@ from payhook import rediswrites
 
 
 def test_a_pipeline_replayed_writes_what_its_execute_would(redis_conn: Redis) -> None:
-    values = [b"raw\x00bytes", "text é", 42, -7, 1.5, 1e-07, 1234567.125, JobStatus.FINISHED]
+    values: list[bytes | str | int | float] = [
+        b"raw\x00bytes",
+        "text é",
+        42,
+        -7,
+        1.5,
+        1e-07,
+        1234567.125,
+        JobStatus.FINISHED,
+    ]
     with redis_conn.pipeline() as pipe:
         for i, value in enumerate(values):
             pipe.hset("executed", f"f{i}", value)
