@@ -18,7 +18,8 @@ Standard Webhooks events open loop, each paying an order, at a fixed rate.
 3. Latency from the ingress accepting a webhook (its 2xx, at the load
    process) to the receiver getting the fulfilment call: p50, p99 and max, at
    half the sustained rate and at 10 events/s.
-4. Memory: each consumer's largest RSS over the run; with `--memory-events N`,
+4. Memory: each consumer's largest RSS over the run, and the PSS of it and
+   its RQ scheduler child together; with `--memory-events N`,
    N more events at half the sustained rate first.
 """
 
@@ -36,7 +37,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,7 @@ import psutil
 from redis import Redis
 
 from bench.consumer import Meters, fresh_settings, make_events, run_workers
+from bench.loadgen import Sent, post_open_loop, render
 from bench.services import FSYNC_CHOICES, private_redis, spare_port, wait_for_port
 from control import admin
 from payhook.db import connect
@@ -55,7 +57,10 @@ from tests.processes import process_env
 from tests.receiver import Receiver
 
 #: Rates tried in turn, events per second, until one does not keep up.
-LADDER = (20, 40, 60, 80, 100, 125, 150, 175, 200, 240, 280, 330, 400, 480, 560, 650, 750)
+LADDER = (
+    *(20, 40, 60, 80, 100, 125, 150, 175, 200, 240, 280, 330, 400, 480, 560, 650, 750),
+    *(870, 1000, 1150, 1300, 1500, 1700, 2000, 2300, 2600, 3000),
+)
 #: Seconds of work a backlog may hold and still count as keeping up.
 BACKLOG_SECONDS = 1.0
 #: Seconds the stack gets after a step to drain what is in flight.
@@ -102,28 +107,30 @@ def run(args: argparse.Namespace, redis_url: str) -> None:
     )
     print(f"  stock RQ SimpleWorker, no-op jobs   {stock.rate:8.0f} jobs/s   (ceiling)")
     with running_stack(settings, args.consumers) as stack:
-        peak_rss: dict[int, float] = {}
+        memory = Memory()
         sustained, delivered = hold(
-            stack, redis, find_sustained(stack, redis, args, peak_rss), args.hold, peak_rss
+            stack, redis, find_sustained(stack, redis, args, memory), args.hold, memory
         )
         print(
             f"  sustained {args.hold:.0f} s, queue not growing  {delivered:8.0f} events/s "
             f"delivered   ({delivered / stock.rate:.2f}x the ceiling; offered {sustained}/s)"
         )
         for rate in (max(1, sustained // 2), 10):
-            latencies = latency_run(stack, redis, rate, args.latency, peak_rss)
+            latencies = latency_run(stack, redis, rate, args.latency, memory)
             print(
                 f"  accepted -> fulfilment call at {rate:>3}/s  p50 {latencies[0]:6.1f} ms  "
                 f"p99 {latencies[1]:6.1f} ms  max {latencies[2]:6.1f} ms"
             )
         if args.memory_events:
             rate = max(1, sustained // 2)
-            offer(stack, rate, args.memory_events / rate, peak_rss)
+            offer(stack, rate, args.memory_events / rate, memory)
             drain(stack, redis, timeout=600)
         sent = stack.next_order
         print(
-            f"  consumer RSS, largest over the run ({sent:,} events): "
-            + ", ".join(f"{mib:.0f} MiB" for mib in peak_rss.values())
+            f"  each consumer's largest RSS over the run ({sent:,} events): "
+            + ", ".join(f"{mib:.0f} MiB" for mib in memory.rss.values())
+            + "; with its RQ scheduler child, PSS: "
+            + ", ".join(f"{mib:.0f} MiB" for mib in memory.pss.values())
         )
 
 
@@ -206,21 +213,23 @@ def backlog(stack: Stack, redis: Redis) -> int:
     return int(jobs) + int(row["n"])
 
 
-def find_sustained(
-    stack: Stack, redis: Redis, args: argparse.Namespace, peak_rss: dict[int, float]
-) -> int:
+def find_sustained(stack: Stack, redis: Redis, args: argparse.Namespace, memory: Memory) -> int:
     """The highest rate of the ladder the stack keeps up with for a step."""
     kept = LADDER[0]
     for rate in LADDER:
-        result = offer(stack, rate, args.step, peak_rss)
+        result = offer(stack, rate, args.step, memory)
         time.sleep(SETTLE)
         left = backlog(stack, redis)
         keeping_up = result.refused == 0 and left <= rate * BACKLOG_SECONDS
         print(
-            f"    {rate:>4}/s for {args.step:.0f} s: {result.accepted} accepted, "
+            f"    {rate:>4}/s for {args.step:.0f} s: sent at {result.sent_rate:.0f}/s "
+            f"(lag {result.lag * 1000:.0f} ms), {result.accepted} accepted, "
             f"{result.refused} refused, backlog {left} {'' if keeping_up else '(falls behind)'}"
         )
         drain(stack, redis)
+        if not result.offered(rate):
+            print("    the load process cannot offer more: the ladder stops here")
+            break
         if not keeping_up:
             break
         kept = rate
@@ -228,22 +237,24 @@ def find_sustained(
 
 
 def hold(
-    stack: Stack, redis: Redis, rate: int, seconds: float, peak_rss: dict[int, float]
+    stack: Stack, redis: Redis, rate: int, seconds: float, memory: Memory
 ) -> tuple[int, float]:
     """Hold `rate` for `seconds`, stepping down 15% until it keeps up; the
     rate held, and the rate delivered to the receiver over the hold."""
     while True:
         before = len(stack.receiver.requests())
-        started = time.time()
-        result = offer(stack, rate, seconds, peak_rss)
+        result = offer(stack, rate, seconds, memory)
         time.sleep(SETTLE)
         left = backlog(stack, redis)
-        if result.refused == 0 and left <= rate * BACKLOG_SECONDS:
-            delivered = [
-                r for r in stack.receiver.requests()[before:] if r["t"] <= started + seconds
-            ]
+        if not result.offered(rate):
+            print(f"    {rate}/s held: sent at {result.sent_rate:.0f}/s only; 15% less")
+        elif result.refused == 0 and left <= rate * BACKLOG_SECONDS:
+            # Delivered over the hold's window, from its first send.
+            end = result.started + seconds
+            delivered = [r for r in stack.receiver.requests()[before:] if r["t"] <= end]
             return rate, len(delivered) / seconds
-        print(f"    {rate}/s held {seconds:.0f} s falls behind ({left} to do); 15% less")
+        else:
+            print(f"    {rate}/s held {seconds:.0f} s falls behind ({left} to do); 15% less")
         drain(stack, redis)
         rate = int(rate * 0.85)
 
@@ -260,9 +271,19 @@ class Offered:
     refused: int
     #: Each accepted event: its id and when its 2xx arrived (wall clock).
     accepted_at: dict[str, float]
+    #: The rate the load process sent at, and the latest a send ran behind.
+    sent_rate: float
+    lag: float
+    #: When the first event was sent (wall clock).
+    started: float
+
+    def offered(self, rate: int) -> bool:
+        """Whether the load process did offer `rate` (it may not keep up
+        itself): sent within 2% of it, no send over a second late."""
+        return self.sent_rate >= 0.98 * rate and self.lag < 1.0
 
 
-def offer(stack: Stack, rate: int, seconds: float, peak_rss: dict[int, float]) -> Offered:
+def offer(stack: Stack, rate: int, seconds: float, memory: Memory) -> Offered:
     """Post `rate` events a second for `seconds`, open loop, from another process."""
     count = int(rate * seconds)
     first = stack.next_order
@@ -278,77 +299,59 @@ def offer(stack: Stack, rate: int, seconds: float, peak_rss: dict[int, float]) -
     # Read the result before joining: the load process exits only once its
     # result, larger than a pipe holds, is read.
     while results.empty():
-        _sample_rss(stack, peak_rss)
+        _sample_rss(stack, memory)
         if not proc.is_alive() and results.empty():
             raise SystemExit(f"the load process failed ({proc.exitcode})")
         time.sleep(0.5)
-    accepted_at, refused = results.get()
+    sent: Sent = results.get()
     proc.join(timeout=30)
-    return Offered(len(accepted_at), refused, accepted_at)
+    rate_sent = count / max(sent.span, 1e-9)
+    return Offered(
+        len(sent.accepted), sent.refused, sent.accepted, rate_sent, sent.lag, sent.started
+    )
 
 
-def _sample_rss(stack: Stack, peak_rss: dict[int, float]) -> None:
+@dataclass
+class Memory:
+    """Each consumer's largest memory, MiB: the process's RSS, and the PSS
+    of the process and its children (RQ's scheduler, forked from it: their
+    RSS would count the pages they share twice)."""
+
+    rss: dict[int, float] = field(default_factory=dict)
+    pss: dict[int, float] = field(default_factory=dict)
+
+
+def _sample_rss(stack: Stack, memory: Memory) -> None:
     for proc in stack.consumers:
         try:
             process = psutil.Process(proc.pid)
-            rss = sum(p.memory_info().rss for p in [process, *process.children(recursive=True)])
+            rss = process.memory_info().rss
+            family = [process, *process.children(recursive=True)]
+            pss = sum(p.memory_full_info().pss for p in family)
         except psutil.Error:
             continue
-        peak_rss[proc.pid] = max(peak_rss.get(proc.pid, 0.0), rss / 2**20)
+        memory.rss[proc.pid] = max(memory.rss.get(proc.pid, 0.0), rss / 2**20)
+        memory.pss[proc.pid] = max(memory.pss.get(proc.pid, 0.0), pss / 2**20)
 
 
 def _load(url: str, secret: str, first: int, count: int, rate: int, results: Any) -> None:
     """The load process: signed events, one every 1/rate s, each its own order."""
-    bodies = []
+    requests = []
     for i in range(first, first + count):
         event = StandardEvent(
             gateway_order_id=f"pi_e2e_{i}", merchant_reference=f"e2e-{i}", amount=1500
         )
         body = event.body()
-        bodies.append((event.event_id, body, event.headers(secret, body)))
-    results.put(asyncio.run(_post_all(url, bodies, rate)))
-
-
-async def _post_all(
-    url: str, bodies: list[tuple[str, bytes, dict[str, str]]], rate: int
-) -> tuple[dict[str, float], int]:
-    accepted: dict[str, float] = {}
-    refused = 0
-    limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
-    async with httpx.AsyncClient(limits=limits, timeout=30) as client:
-
-        async def post(event_id: str, body: bytes, headers: dict[str, str]) -> None:
-            nonlocal refused
-            try:
-                response = await client.post(
-                    url, content=body, headers=headers | {"content-type": "application/json"}
-                )
-            except httpx.HTTPError:
-                refused += 1
-                return
-            if 200 <= response.status_code < 300:
-                accepted[event_id] = time.time()
-            else:
-                refused += 1
-
-        loop = asyncio.get_running_loop()
-        start = loop.time()
-        tasks = []
-        for i, (event_id, body, headers) in enumerate(bodies):
-            delay = start + i / rate - loop.time()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(post(event_id, body, headers)))
-        await asyncio.gather(*tasks)
-    return accepted, refused
+        requests.append((event.event_id, render(url, body, event.headers(secret, body))))
+    results.put(asyncio.run(post_open_loop(url, requests, rate)))
 
 
 def latency_run(
-    stack: Stack, redis: Redis, rate: int, seconds: float, peak_rss: dict[int, float]
+    stack: Stack, redis: Redis, rate: int, seconds: float, memory: Memory
 ) -> tuple[float, float, float]:
     """p50, p99 and max, in ms, from accepted to the receiver's fulfilment call."""
     before = len(stack.receiver.requests())
-    result = offer(stack, rate, seconds, peak_rss)
+    result = offer(stack, rate, seconds, memory)
     drain(stack, redis)
     arrived: dict[str, float] = {}
     for request in stack.receiver.requests()[before:]:
