@@ -47,7 +47,15 @@ from redis import Redis
 
 from bench.consumer import Meters, fresh_settings, make_events, run_workers
 from bench.loadgen import Sent, post_open_loop, render
-from bench.services import FSYNC_CHOICES, private_redis, spare_port, wait_for_port
+from bench.services import (
+    FSYNC_CHOICES,
+    cpu_seconds,
+    parent_pid,
+    private_redis,
+    server_cpu_seconds,
+    spare_port,
+    wait_for_port,
+)
 from control import admin
 from payhook.db import connect
 from payhook.queue import events_queue
@@ -77,6 +85,8 @@ class Stack:
     tenant_id: str
     receiver: Receiver
     consumers: list[subprocess.Popen[bytes]]
+    #: Processes whose CPU a hold is charged with, by kind.
+    meters: dict[str, list[int]]
     next_order: int = 0
 
 
@@ -89,11 +99,11 @@ def main() -> None:
     parser.add_argument("--fsync", choices=FSYNC_CHOICES, default="always")
     parser.add_argument("--memory-events", type=int, default=0)
     args = parser.parse_args()
-    with private_redis(args.fsync) as (redis_url, _):
-        run(args, redis_url)
+    with private_redis(args.fsync) as (redis_url, redis_pid):
+        run(args, redis_url, redis_pid)
 
 
-def run(args: argparse.Namespace, redis_url: str) -> None:
+def run(args: argparse.Namespace, redis_url: str, redis_pid: int) -> None:
     settings = fresh_settings(redis_url)
     redis = Redis.from_url(redis_url)
     _, envelopes = make_events(settings, 1000)
@@ -108,12 +118,20 @@ def run(args: argparse.Namespace, redis_url: str) -> None:
     print(f"  stock RQ SimpleWorker, no-op jobs   {stock.rate:8.0f} jobs/s   (ceiling)")
     with running_stack(settings, args.consumers) as stack:
         memory = Memory()
-        sustained, delivered = hold(
+        stack.meters["Redis"] = [redis_pid]
+        sustained, delivered, cpu = hold(
             stack, redis, find_sustained(stack, redis, args, memory), args.hold, memory
         )
         print(
             f"  sustained {args.hold:.0f} s, queue not growing  {delivered:8.0f} events/s "
             f"delivered   ({delivered / stock.rate:.2f}x the ceiling; offered {sustained}/s)"
+        )
+        total = sum(cpu.values())
+        print(
+            "  CPU per event over that hold, µs: "
+            + ", ".join(f"{name} {us:,.0f}" for name, us in cpu.items())
+            + f"; all {total:,.0f} (the {os.cpu_count()} cores alone would allow "
+            f"{(os.cpu_count() or 1) * 1e6 / total:,.0f} events/s)"
         )
         for rate in (max(1, sustained // 2), 10):
             latencies = latency_run(stack, redis, rate, args.latency, memory)
@@ -161,6 +179,17 @@ def running_stack(settings: Settings, consumers: int) -> Iterator[Stack]:
         workers = [
             _start(["consumer"], env, folder / f"consumer-{i}.log") for i in range(consumers)
         ]
+        with connect(settings) as conn:
+            row: Any = conn.execute("SELECT pg_backend_pid() AS pid").fetchone()
+            postmaster = parent_pid(row["pid"])  # while the backend is alive
+        assert receiver.process is not None and postmaster is not None
+        meters = {
+            "ingress": [procs[0].pid],
+            "consumers": [w.pid for w in workers],
+            "outbox worker": [procs[1].pid],
+            "receiver": [receiver.process.pid],
+            "PostgreSQL": [postmaster],
+        }
         try:
             wait_for_port(port)
             _wait_ready(port)
@@ -171,6 +200,7 @@ def running_stack(settings: Settings, consumers: int) -> Iterator[Stack]:
                 tenant,
                 receiver,
                 workers,
+                meters,
             )
         finally:
             for proc in [*procs, *workers]:
@@ -238,25 +268,53 @@ def find_sustained(stack: Stack, redis: Redis, args: argparse.Namespace, memory:
 
 def hold(
     stack: Stack, redis: Redis, rate: int, seconds: float, memory: Memory
-) -> tuple[int, float]:
+) -> tuple[int, float, dict[str, float]]:
     """Hold `rate` for `seconds`, stepping down 15% until it keeps up; the
-    rate held, and the rate delivered to the receiver over the hold."""
+    rate held, the rate delivered to the receiver over the hold, and the CPU
+    each kind of process spent per event until all of it was delivered."""
     while True:
         before = len(stack.receiver.requests())
+        cpu_before = _stack_cpu(stack)
         result = offer(stack, rate, seconds, memory)
         time.sleep(SETTLE)
         left = backlog(stack, redis)
         if not result.offered(rate):
             print(f"    {rate}/s held: sent at {result.sent_rate:.0f}/s only; 15% less")
         elif result.refused == 0 and left <= rate * BACKLOG_SECONDS:
+            drain(stack, redis)
+            cpu_after = _stack_cpu(stack)
+            events = len(result.accepted_at)
+            cpu = {k: (cpu_after[k] - cpu_before[k]) * 1e6 / events for k in cpu_before}
+            cpu["load process"] = result.cpu * 1e6 / events
             # Delivered over the hold's window, from its first send.
             end = result.started + seconds
             delivered = [r for r in stack.receiver.requests()[before:] if r["t"] <= end]
-            return rate, len(delivered) / seconds
+            return rate, len(delivered) / seconds, cpu
         else:
             print(f"    {rate}/s held {seconds:.0f} s falls behind ({left} to do); 15% less")
         drain(stack, redis)
         rate = int(rate * 0.85)
+
+
+def _stack_cpu(stack: Stack) -> dict[str, float]:
+    """CPU seconds each kind of the stack's processes has used so far."""
+    totals = {}
+    for name, pids in stack.meters.items():
+        if name == "PostgreSQL":
+            totals[name] = sum(server_cpu_seconds(pid) for pid in pids)
+        else:
+            totals[name] = sum(_family_cpu(pid) for pid in pids)
+    return totals
+
+
+def _family_cpu(pid: int) -> float:
+    """A process's CPU seconds with its live and reaped children's (a
+    consumer's RQ scheduler)."""
+    try:
+        children = psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        children = []
+    return cpu_seconds(pid, reaped_children=True) + sum(cpu_seconds(c.pid) for c in children)
 
 
 def drain(stack: Stack, redis: Redis, timeout: float = 120) -> None:
@@ -276,6 +334,8 @@ class Offered:
     lag: float
     #: When the first event was sent (wall clock).
     started: float
+    #: CPU seconds the load process spent sending.
+    cpu: float
 
     def offered(self, rate: int) -> bool:
         """Whether the load process did offer `rate` (it may not keep up
@@ -307,7 +367,13 @@ def offer(stack: Stack, rate: int, seconds: float, memory: Memory) -> Offered:
     proc.join(timeout=30)
     rate_sent = count / max(sent.span, 1e-9)
     return Offered(
-        len(sent.accepted), sent.refused, sent.accepted, rate_sent, sent.lag, sent.started
+        len(sent.accepted),
+        sent.refused,
+        sent.accepted,
+        rate_sent,
+        sent.lag,
+        sent.started,
+        sent.cpu,
     )
 
 

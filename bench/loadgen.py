@@ -33,6 +33,8 @@ class Sent:
     lag: float
     #: When the first request was due (wall clock).
     started: float
+    #: CPU seconds the load process spent sending and reading.
+    cpu: float = 0.0
 
 
 def render(url: str, body: bytes, headers: Mapping[str, str]) -> bytes:
@@ -82,7 +84,7 @@ async def post_open_loop(url: str, requests: Sequence[tuple[str, bytes]], rate: 
             writer.close()
 
     workers = [asyncio.create_task(connection()) for _ in range(connections)]
-    start, started = loop.time(), time.time()
+    start, started, cpu = loop.time(), time.time(), time.process_time()
     for i, (key, request) in enumerate(requests):
         due = start + i / rate
         delay = due - loop.time()
@@ -93,7 +95,7 @@ async def post_open_loop(url: str, requests: Sequence[tuple[str, bytes]], rate: 
     for _ in workers:
         queue.put_nowait(None)
     await asyncio.gather(*workers)
-    return Sent(accepted, refused, span, lag, started)
+    return Sent(accepted, refused, span, lag, started, time.process_time() - cpu)
 
 
 async def _response(reader: asyncio.StreamReader) -> int:

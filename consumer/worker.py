@@ -379,7 +379,7 @@ class PayhookWorker(SimpleWorker):
         if FAULT_KILL_BETWEEN_START_WRITES in self.faults:
             between = partial(self._killed_by_fault, FAULT_KILL_BETWEEN_START_WRITES)
         executions = batching.record_started(
-            self, jobs, cast(PayhookQueue, queue).intermediate_queue_key, between=between
+            self, jobs, queue.intermediate_queue_key, between=between
         )
         timeout = min(job.timeout or self.queue_class.DEFAULT_TIMEOUT for job in jobs)
         try:
