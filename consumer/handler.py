@@ -7,7 +7,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import psycopg
 import structlog
@@ -118,7 +118,8 @@ def handle_many(runtime: Runtime, jobs: Sequence[object]) -> list[Applied | Exce
             results[i] = result
     structlog.contextvars.clear_contextvars()
     runtime.flow.flush_due(runtime.redis)
-    return [result for result in results if result is not None]
+    assert all(result is not None for result in results), "every job has its outcome"
+    return cast(list[Applied | Exception], results)
 
 
 def _prepare(runtime: Runtime, conn: psycopg.Connection[Row], data: object) -> Applied | Prepared:
@@ -188,10 +189,17 @@ def _apply_together(
     together: list[tuple[int, Prepared, dict[str, Any]]],
 ) -> list[tuple[int, Applied | Exception]]:
     """The events of several jobs in one transaction; alone, or should that
-    transaction fail, each in one of its own."""
+    transaction fail, each in one of its own.
+
+    Not when it was cancelled (the batch's job timeout, or the statement
+    timeout): one by one, the event that waited would wait again. Each job
+    then fails with the cancellation, and RQ retries it.
+    """
     if len(together) > 1:
         try:
             applied = apply_events(conn, [params for _, _, params in together])
+        except psycopg.errors.QueryCanceled as exc:
+            return [(i, _failed(exc)) for i, _, _ in together]
         except psycopg.Error as exc:
             structlog.contextvars.clear_contextvars()
             log.warning("batch_applied_one_by_one", events=len(together), sqlstate=exc.sqlstate)

@@ -252,17 +252,29 @@ def test_a_stop_asked_for_while_an_event_is_begun_waits_for_its_job(
     assert queue.intermediate_queue.get_job_ids() == []
 
 
+@pytest.mark.parametrize("jobs", [1, 3], ids=["alone", "in-a-batch"])
 def test_a_job_timeout_while_the_applier_waits_on_a_lock_cancels_its_statement(
-    settings: Settings, redis_conn: Redis, factory: Factory, runtime: Runtime
+    settings: Settings, redis_conn: Redis, factory: Factory, runtime: Runtime, jobs: int
 ) -> None:
-    """RQ's timeout interrupts the job function, on the main thread, while the
+    """RQ's timeout interrupts the batch, on the main thread, while the
     applier thread waits on a row lock: the statement is cancelled then, and
-    leaves no transaction behind, as when the job applies its event itself."""
+    leaves no transaction behind, as when the job applies its event itself.
+    A batch cancelled so is not applied again event by event (the locked one
+    would wait again): every job of it fails, and RQ retries it."""
     shop = factory.shop()
     order_id = factory.order(shop)
+    for i in range(2, jobs + 1):
+        factory.order(shop, f"order-{i}", f"pi_{i}")
     short = dataclasses.replace(settings, job_timeout=1, job_retry_intervals=(0,))
     queue = events_queue(redis_conn, short)
-    job = enqueue_event(queue, factory.standard_envelope(shop, StandardEvent()), short)
+    events = [
+        StandardEvent(),
+        *(
+            StandardEvent(gateway_order_id=f"pi_{i}", merchant_reference=f"order-{i}")
+            for i in range(2, jobs + 1)
+        ),
+    ]
+    queued = [enqueue_event(queue, factory.standard_envelope(shop, e), short) for e in events]
     with psycopg.connect(str(settings.database_url)) as holder:
         holder.execute("SELECT 1 FROM payhook.payment_orders WHERE id = %s FOR UPDATE", (order_id,))
         with released_after(holder) as released_by_watchdog:
@@ -272,10 +284,11 @@ def test_a_job_timeout_while_the_applier_waits_on_a_lock_cancels_its_statement(
             worker.applier.wait()
         assert not released_by_watchdog.is_set(), "the statement waited for the lock holder"
         holder.rollback()
-    failed = Job.fetch(job.id, connection=redis_conn, serializer=JSONSerializer)
-    assert failed.get_status() == JobStatus.FAILED
-    result = failed.latest_result()
-    assert result is not None and "JobTimeoutException" in (result.exc_string or "")
+    for job in queued:
+        failed = Job.fetch(job.id, connection=redis_conn, serializer=JSONSerializer)
+        assert failed.get_status() == JobStatus.FAILED
+        result = failed.latest_result()
+        assert result is not None and "JobTimeoutException" in (result.exc_string or "")
     assert factory.count("payment_event_receipts") == 0, "the cancelled statement rolled back"
 
 
