@@ -8,16 +8,17 @@ a batch instead, and writes what RQ writes, for the whole batch at once:
     take       one atomic move of up to N ids from the queue into its
                intermediate list (the move RQ makes for one), then one
                pipelined read of their hashes
-    started    one pipeline: each job's execution, its entry in the started
+    started    one write: each job's execution, its entry in the started
                registry and the worker's executions (RQ's `prepare_execution`)
     ...        then one: each job's status `started`, its heartbeat, the
                job kept (no TTL), its id out of the intermediate list
                (RQ's `prepare_job_execution`)
-    finished   one MULTI: each job's result, status `finished`, entry in the
+    finished   one: each job's result, status `finished`, entry in the
                finished registry and TTL; its execution removed (RQ's
                `handle_job_success`); the worker's counters
 
-Each job is the job RQ would have written, through RQ's own methods: `rq
+Each write is the commands RQ's own methods queue on a pipeline, sent as one
+atomic `EVAL` (`payhook.rediswrites`). Each job is the job RQ would have written, through RQ's own methods: `rq
 info`, the dashboard and `payhook dlq` see batched jobs as any other, and
 RQ's recovery of abandoned jobs (an expired execution, an id left in the
 intermediate list) works on them unchanged. A job that fails is failed or
@@ -156,7 +157,7 @@ def record_finished(
     finished: Sequence[tuple[Job, Execution, Any]],
     default_result_ttl: int,
 ) -> None:
-    """RQ's write of a successful job, one MULTI for all of `finished`
+    """RQ's write of a successful job, one atomic write for all of `finished`
     (job, its execution, its return value)."""
     if not finished:
         return

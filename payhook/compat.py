@@ -149,7 +149,7 @@ def record_job_success(
     registry (RQ's `Job._handle_success`), after setting the job's cached
     result and status as the worker does (`_result`, `_status`).
 
-    A consumer finishes a batch of jobs in one MULTI; RQ's public
+    A consumer finishes a batch of jobs in one atomic write; RQ's public
     `handle_job_success` takes one job and runs its own transaction.
     """
     job._result = value
