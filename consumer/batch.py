@@ -18,8 +18,9 @@ a batch instead, and writes what RQ writes, for the whole batch at once:
                `handle_job_success`); the worker's counters
 
 Each write is the commands RQ's own methods queue on a pipeline, sent as one
-atomic `EVAL` (`payhook.rediswrites`). Each job is the job RQ would have written, through RQ's own methods: `rq
-info`, the dashboard and `payhook dlq` see batched jobs as any other, and
+atomic `EVAL` (`payhook.rediswrites`). Each job is the job RQ would have
+written, through RQ's own methods: `rq info`, the dashboard and `payhook
+dlq` see batched jobs as any other, and
 RQ's recovery of abandoned jobs (an expired execution, an id left in the
 intermediate list) works on them unchanged. A job that fails is failed or
 retried by RQ's own `handle_job_failure`, one at a time.
