@@ -55,7 +55,7 @@ class SimpleBenchWorker(PayhookWorker):
 
 
 def _one_by_one(conn: Any, calls: Any) -> Any:
-    raise psycopg.errors.QueryCanceled("bench: no group commit")
+    raise psycopg.errors.DeadlockDetected("bench: no group commit")
 
 
 def main(mode: str, kind: str, cpu_file: str | None = None) -> int:
