@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, cast
+from typing import Any
 
 import structlog
 
-from consumer.handler import Runtime, handle_many
+from consumer.handler import Runtime, handle, handle_many
 from consumer.transaction import Applied
 from payhook.db import cancel_waiting
 from payhook.errors import RefusedJob
@@ -70,19 +70,7 @@ class Applier:
     def finish(self, envelope: Any) -> dict[str, Any]:
         """What RQ runs for a job it runs itself: the outcome of its event,
         applied now on this thread; the result RQ stores."""
-        return result_of(self.apply(envelope))
-
-    def apply(self, envelope: Any) -> Applied:
-        """Apply one envelope on this thread: one canonical log line."""
-        return self.apply_many([envelope])[0]
-
-    def apply_many(self, envelopes: list[Any]) -> list[Applied]:
-        """`handle_many` on this thread, raising the first job's exception."""
-        results = self._apply_ahead(envelopes)
-        for result in results:
-            if isinstance(result, Exception):
-                raise result
-        return cast(list[Applied], results)
+        return result_of(handle(self.runtime, envelope))
 
     def wait(self) -> None:
         """Until every batch begun so far is applied or has failed."""

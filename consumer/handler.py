@@ -179,7 +179,7 @@ def _apply_each(runtime: Runtime, conn: psycopg.Connection[Row], prepared: Prepa
     """The events of one job, each in a transaction of its own: the last outcome."""
     for event, malformed in prepared.events:
         structlog.contextvars.bind_contextvars(event_id=event.event_id)
-        result = _apply(runtime, conn, prepared, event, malformed)
+        result = _apply(runtime, conn, prepared, _params(runtime, prepared, event, malformed))
     return result
 
 
@@ -213,11 +213,10 @@ def _apply_together(
                     results.append((i, _failed(exc)))
             return results
     results = []
-    for i, prepared, _ in together:
+    for i, prepared, call in together:
         _bind(prepared.context)
         try:
-            event, malformed = prepared.events[0]
-            results.append((i, _done(_apply(runtime, conn, prepared, event, malformed))))
+            results.append((i, _done(_apply(runtime, conn, prepared, call))))
         except Exception as exc:
             results.append((i, _failed(exc)))
     return results
@@ -255,23 +254,11 @@ def _failed(exc: Exception) -> Exception:
 
 
 def _apply(
-    runtime: Runtime,
-    conn: psycopg.Connection[Row],
-    prepared: Prepared,
-    event: Event,
-    malformed: MalformedEvent | None,
+    runtime: Runtime, conn: psycopg.Connection[Row], prepared: Prepared, call: dict[str, Any]
 ) -> Applied:
+    """One event (`call`) in a transaction of its own, retried as configured."""
     try:
-        result = apply_with_retries(
-            conn,
-            prepared.endpoint,
-            event,
-            prepared.envelope.delivery_id,
-            retries=runtime.settings.serialization_retries,
-            forced_outcome=None if malformed is None else "malformed",
-            forced_detail=None if malformed is None else malformed.detail,
-            horizon=receipt_horizon(runtime.settings.receipt_retention),
-        )
+        result = apply_with_retries(conn, call, retries=runtime.settings.serialization_retries)
     except TooManyRetries as exc:
         _count_retries(runtime, exc.attempts)
         raise

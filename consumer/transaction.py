@@ -35,7 +35,7 @@ import random
 import time
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 import psycopg
 import structlog
@@ -75,37 +75,29 @@ class TooManyRetries(Exception):
         self.attempts = attempts
 
 
+class CallOptions(TypedDict, total=False):
+    """How an event is recorded, beside what it is (see `apply_event`)."""
+
+    forced_outcome: str | None
+    forced_detail: dict[str, Any] | None
+    horizon: datetime | None
+
+
 def apply_with_retries(
-    conn: psycopg.Connection[Row],
-    endpoint: Endpoint,
-    event: Event,
-    delivery_id: str,
-    *,
-    retries: int,
-    forced_outcome: str | None = None,
-    forced_detail: dict[str, Any] | None = None,
-    horizon: datetime | None = None,
+    conn: psycopg.Connection[Row], call: dict[str, Any], *, retries: int
 ) -> Applied:
-    """`apply_event`, retried on serialization failures and deadlocks with jittered backoff."""
+    """`apply_call`, retried on serialization failures and deadlocks with jittered backoff."""
     attempt = 0
     while True:
         try:
-            result = apply_event(
-                conn,
-                endpoint,
-                event,
-                delivery_id,
-                forced_outcome=forced_outcome,
-                forced_detail=forced_detail,
-                horizon=horizon,
-            )
+            result = apply_call(conn, call)
         except RETRYABLE as exc:
             attempt += 1
             log.warning(
                 "transaction_retry",
                 sqlstate=exc.sqlstate,
                 attempt=attempt,
-                event_id=event.event_id,
+                event_id=call["event"].obj["event_id"],
             )
             if attempt > retries:
                 # Not chained: the error's text may quote the event's content.
@@ -120,10 +112,7 @@ def apply_event(
     endpoint: Endpoint,
     event: Event,
     delivery_id: str,
-    *,
-    forced_outcome: str | None = None,
-    forced_detail: dict[str, Any] | None = None,
-    horizon: datetime | None = None,
+    **options: Unpack[CallOptions],
 ) -> Applied:
     """Apply one authentic event in one transaction; safe to call any number of times.
 
@@ -136,36 +125,30 @@ def apply_event(
     without a timestamp is a bug of its gateway adapter, which refuses one
     as malformed: it raises `ValueError` and applies nothing.
     """
-    params = call_params(
-        endpoint,
-        event,
-        delivery_id,
-        forced_outcome=forced_outcome,
-        forced_detail=forced_detail,
-        horizon=horizon,
-    )
+    return apply_call(conn, call_params(endpoint, event, delivery_id, **options))
+
+
+def apply_call(conn: psycopg.Connection[Row], call: dict[str, Any]) -> Applied:
+    """One `apply_event` statement (`call_params`), its own transaction on
+    the consumer's autocommit connection."""
     with cancelled_if_interrupted(conn):
-        row = conn.execute(query("apply_event"), params).fetchone()
+        row = conn.execute(query("apply_event"), call).fetchone()
     assert row is not None, "apply_event_v2 returns one row"
     return _applied(row)
 
 
 def call_params(
-    endpoint: Endpoint,
-    event: Event,
-    delivery_id: str,
-    *,
-    forced_outcome: str | None = None,
-    forced_detail: dict[str, Any] | None = None,
-    horizon: datetime | None = None,
+    endpoint: Endpoint, event: Event, delivery_id: str, **options: Unpack[CallOptions]
 ) -> dict[str, Any]:
     """The parameters of one `apply_event` statement (see `apply_event`)."""
+    forced_outcome = options.get("forced_outcome")
+    forced_detail = options.get("forced_detail")
     if forced_outcome is None and event.kind is not None and event.occurred_at is None:
         raise ValueError(
             f"event {event.event_id!r} ({event.event_type}) has no gateway timestamp: "
             "the retention horizon cannot judge it"
         )
-    horizon = horizon or receipt_horizon(DEFAULT_RECEIPT_RETENTION)
+    horizon = options.get("horizon") or receipt_horizon(DEFAULT_RECEIPT_RETENTION)
     if forced_outcome is None and beyond_horizon(event.occurred_at, horizon):
         forced_outcome = "beyond_horizon"
         assert event.occurred_at is not None
@@ -173,7 +156,7 @@ def call_params(
             "occurred_at": event.occurred_at.isoformat(),
             "horizon": horizon.isoformat(),
         }
-    params = {
+    return {
         "tenant_id": endpoint.tenant_id,
         "endpoint_id": endpoint.id,
         "gateway": endpoint.gateway,
@@ -182,7 +165,6 @@ def call_params(
         "forced_outcome": forced_outcome,
         "forced_detail": None if forced_detail is None else Jsonb(forced_detail),
     }
-    return params
 
 
 def apply_events(conn: psycopg.Connection[Row], calls: list[dict[str, Any]]) -> list[Applied]:

@@ -201,18 +201,20 @@ class PayhookQueue(Queue):
             moved = cls.lmove(connection, queue.key, timeout)
             if moved is None:
                 return None
-            raw_id = moved[1]
-            job, reason = read_job(connection, queue.job_class, raw_id, queue.name)
-            if reason is not None:
-                queue.quarantine(raw_id, reason, source=queue.intermediate_queue_key, kind="list")
-            elif job is not None:
-                return job, queue
-            # No hash: as RQ, the intermediate list's cleanup drops the id.
+            readable = queue.readable([moved[1]])
+            if readable:
+                return readable[0], queue
 
     def take(self, limit: int) -> list[Job]:
         """Up to `limit` more jobs, moved at once into the intermediate list
         (`consumer.batch`), without waiting; the unreadable ones quarantined."""
-        raw_ids = take_ids(self.connection, self.key, self.intermediate_queue_key, limit)
+        return self.readable(
+            take_ids(self.connection, self.key, self.intermediate_queue_key, limit)
+        )
+
+    def readable(self, raw_ids: list[bytes]) -> list[Job]:
+        """The jobs of `raw_ids`, just moved into the intermediate list, read
+        in one round trip; those that cannot be read are quarantined."""
         jobs = []
         for raw_id, (job, reason) in zip(
             raw_ids, read_jobs(self.connection, self.job_class, raw_ids, self.name), strict=True

@@ -38,7 +38,7 @@ from payhook.compat import assume_redis_version, pipeline_commands
 from payhook.envelope import Envelope
 from payhook.errors import PayhookError
 from payhook.queue import APPLY_EVENT, enqueue_event, events_queue
-from payhook.rediswrites import REPLAY_SCRIPT, bulk
+from payhook.rediswrites import bulk, packed_commands, packed_eval
 from payhook.settings import Settings
 
 #: Hash fields RQ sets to the time of enqueueing.
@@ -115,18 +115,12 @@ class PackedJob:
 
 def pack_jobs(jobs: Sequence[PackedJob]) -> bytes:
     """One `EVAL` of `REPLAY_SCRIPT` that writes every job in `jobs`, atomically."""
-    head = [b"EVAL", REPLAY_SCRIPT, b"0"]
-    argc = len(head) + sum(job.argc for job in jobs)
-    return b"".join([b"*%d\r\n" % argc, *map(bulk, head), *(job.argv for job in jobs)])
+    return packed_eval(sum(job.argc for job in jobs), (job.argv for job in jobs))
 
 
 def pack_commands(commands: Sequence[Command]) -> PackedJob:
     """The ARGV share of a job given as plain commands."""
-    parts = []
-    for command in commands:
-        parts.append(bulk(b"%d" % len(command)))
-        parts.extend(map(bulk, command))
-    return PackedJob(len(parts), b"".join(parts))
+    return PackedJob(*packed_commands(commands))
 
 
 def call_data(envelope: Envelope) -> bytes:

@@ -10,6 +10,7 @@ too (`ingress.jobs`).
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from redis import Redis
@@ -41,20 +42,32 @@ def bulk(arg: bytes) -> bytes:
 EVAL_HEAD = b"".join(map(bulk, (b"EVAL", REPLAY_SCRIPT, b"0")))
 
 
+def packed_eval(argc: int, argv: Iterable[bytes]) -> bytes:
+    """`EVAL REPLAY_SCRIPT 0` with `argc` arguments, given already packed
+    (each a bulk string, or several joined), as one command on the wire."""
+    return b"".join([b"*%d\r\n" % (argc + 3), EVAL_HEAD, *argv])
+
+
+def packed_commands(commands: Iterable[Sequence[bytes]]) -> tuple[int, bytes]:
+    """Commands as `REPLAY_SCRIPT`'s arguments (each its argument count, then
+    its arguments), packed: how many arguments, and their bytes."""
+    parts = []
+    for command in commands:
+        parts.append(bulk(b"%d" % len(command)))
+        parts.extend(map(bulk, command))
+    return len(parts), b"".join(parts)
+
+
 def replay(connection: Redis, pipeline: Pipeline) -> None:
     """Run the commands queued on `pipeline` (and not sent) as one `EVAL`
     on `connection`, atomically; the pipeline is emptied. A command Redis
     refuses raises `ResponseError`, as the pipeline's MULTI would."""
-    parts = [EVAL_HEAD]
-    count = 0
-    for args, _options in pipeline_commands(pipeline):
-        parts.append(bulk(b"%d" % len(args)))
-        parts.extend(bulk(_encode(arg)) for arg in args)
-        count += len(args) + 1
+    commands = [[_encode(arg) for arg in args] for args, _options in pipeline_commands(pipeline)]
     pipeline.reset()
-    if not count:
+    if not commands:
         return
-    packed = b"".join([b"*%d\r\n" % (count + 3), *parts])
+    argc, argv = packed_commands(commands)
+    packed = packed_eval(argc, [argv])
     pool = connection.connection_pool
     conn = pool.get_connection()
     try:

@@ -22,7 +22,7 @@ from consumer.transaction import lock_order
 from payhook.errors import DatabaseError
 from payhook.queue import enqueue_event, events_queue
 from payhook.settings import Settings
-from tests.factories import Factory, Shop, StandardEvent
+from tests.factories import Factory, Shop, StandardEvent, envelope
 
 
 def fetch(redis_conn: Redis, job_id: str) -> Job:
@@ -129,7 +129,8 @@ def test_an_event_whose_statement_fails_leaves_the_rest_of_its_batch_applied(
     queue = events_queue(redis_conn, once)
     jobs = [enqueue_event(queue, factory.standard_envelope(shop, e), once).id for e in events]
 
-    build_worker(once, runtime).work(burst=True, logging_level="ERROR")
+    worker = build_worker(once, runtime)
+    worker.work(burst=True, logging_level="ERROR")
 
     assert [outcome(redis_conn, j) for i, j in enumerate(jobs) if i != 2] == ["applied"] * 3
     poisoned = fetch(redis_conn, jobs[2])
@@ -138,9 +139,44 @@ def test_an_event_whose_statement_fails_leaves_the_rest_of_its_batch_applied(
     result = poisoned.latest_result()
     assert result is not None and "DatabaseError" in (result.exc_string or "")
     assert "poisoned order" not in (result.exc_string or ""), "SQLSTATE only, never the text"
+    # RQ's own failure handling: retried once (PAYHOOK_JOB_RETRY_INTERVALS=0), then failed.
+    counted = Worker.find_by_key(worker.key, connection=redis_conn)
+    assert counted is not None
+    assert (counted.failed_job_count, counted.successful_job_count) == (2, 3)
     assert factory.count("payment_event_receipts") == 3
     assert factory.count("payment_order_transitions") == 3
     assert factory.count("payment_outbox") == 3
+
+
+def test_a_forged_job_in_a_batch_is_dead_lettered_unretried_and_the_rest_applied(
+    settings: Settings, redis_conn: Redis, factory: Factory, runtime: Runtime
+) -> None:
+    """A job whose signature does not verify is refused: recorded as an
+    anomaly, failed into the dead-letter queue without RQ's retries (they
+    would only record it again); the batch's other events are applied."""
+    once = dataclasses.replace(settings, job_retry_intervals=(0,))
+    shop, stranger = factory.shop(), factory.shop()
+    events = [paid(factory, shop, i) for i in range(3)]
+    queue = events_queue(redis_conn, once)
+    jobs = [enqueue_event(queue, factory.standard_envelope(shop, e), once).id for e in events]
+    body = events[1].body()
+    forged = envelope(shop, body, events[1].headers(stranger.secret, body))
+    forged_id = enqueue_event(queue, forged, once).id
+
+    worker = build_worker(once, runtime)
+    worker.work(burst=True, logging_level="ERROR")
+
+    refused = fetch(redis_conn, forged_id)
+    assert refused.get_status() == JobStatus.FAILED
+    assert queue.failed_job_registry.get_job_ids() == [forged_id]
+    result = refused.latest_result()
+    assert result is not None and "RefusedJob" in (result.exc_string or "")
+    counted = Worker.find_by_key(worker.key, connection=redis_conn)
+    assert counted is not None
+    assert (counted.failed_job_count, counted.successful_job_count) == (1, 3), "not retried"
+    assert [outcome(redis_conn, j) for j in jobs] == ["applied"] * 3
+    assert factory.count("security_anomalies", kind="signature_invalid") == 1
+    assert factory.count("payment_order_transitions") == 3
 
 
 def test_batches_of_the_same_events_in_opposite_orders_do_not_deadlock(

@@ -104,7 +104,7 @@ def test_the_event_is_applied_on_the_applier_thread(
     assert len(threads) == 1 and threads[0].startswith("payhook-applier")
 
 
-def test_a_job_the_worker_did_not_begin_is_applied_on_its_own_thread(
+def test_a_job_rq_runs_itself_is_applied_on_its_own_thread(
     settings: Settings, factory: Factory, runtime: Runtime
 ) -> None:
     shop = factory.shop()

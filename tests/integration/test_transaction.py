@@ -760,7 +760,7 @@ def test_serialization_failures_are_retried_a_bounded_number_of_times(
     shop = factory.shop()
     factory.order(shop)
     calls = {"n": 0}
-    real = tx.apply_event
+    real = tx.apply_call
 
     def flaky(*args: object, **kwargs: object) -> tx.Applied:
         calls["n"] += 1
@@ -768,7 +768,7 @@ def test_serialization_failures_are_retried_a_bounded_number_of_times(
             raise psycopg.errors.SerializationFailure("could not serialize access")
         return real(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(tx, "apply_event", flaky)
+    monkeypatch.setattr(tx, "apply_call", flaky)
     result = handle(runtime, factory.standard_envelope(shop, StandardEvent()).to_json())
     assert (result.outcome, result.retries) == ("applied", 2)
     assert runtime.redis is not None
