@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, cast
@@ -204,19 +204,26 @@ def _apply_together(
             structlog.contextvars.clear_contextvars()
             log.warning("batch_applied_one_by_one", events=len(together), sqlstate=exc.sqlstate)
         else:
-            results: list[tuple[int, Applied | Exception]] = []
-            for (i, prepared, _), result in zip(together, applied, strict=True):
-                _bind(prepared.context)
-                try:
-                    results.append((i, _done(_after(runtime, conn, prepared, result))))
-                except Exception as exc:
-                    results.append((i, _failed(exc)))
-            return results
-    results = []
-    for i, prepared, call in together:
+            committed = [
+                (i, prepared, result)
+                for (i, prepared, _), result in zip(together, applied, strict=True)
+            ]
+            return _each(
+                committed, lambda prepared, result: _after(runtime, conn, prepared, result)
+            )
+    return _each(together, lambda prepared, call: _apply(runtime, conn, prepared, call))
+
+
+def _each(
+    jobs: list[tuple[int, Prepared, Any]], step: Callable[[Prepared, Any], Applied]
+) -> list[tuple[int, Applied | Exception]]:
+    """`step` for each job, under its log context: its outcome, logged, or
+    the exception its job raises."""
+    results: list[tuple[int, Applied | Exception]] = []
+    for i, prepared, given in jobs:
         _bind(prepared.context)
         try:
-            results.append((i, _done(_apply(runtime, conn, prepared, call))))
+            results.append((i, _done(step(prepared, given))))
         except Exception as exc:
             results.append((i, _failed(exc)))
     return results
