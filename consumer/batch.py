@@ -39,7 +39,7 @@ from rq.executions import Execution
 from rq.job import Job
 from rq.serializers import JSONSerializer
 from rq.utils import now
-from rq.worker import BaseWorker
+from rq.worker import BaseWorker, WorkerStatus
 
 from payhook.compat import record_job_success
 from payhook.errors import UnreadableJob
@@ -138,7 +138,7 @@ def record_started(
             )
             worker.executions[execution.id] = execution
             executions.append(execution)
-        worker.set_state("busy", pipeline=pipe)
+        worker.set_state(WorkerStatus.BUSY, pipeline=pipe)
         replay(connection, pipe)
     if between is not None:
         between()

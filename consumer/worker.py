@@ -337,12 +337,14 @@ class PayhookWorker(SimpleWorker):
             jobs += queue.take(self.batch_size - 1)
         if FAULT_KILL_AFTER_TAKE in self.faults:
             self._killed_by_fault(FAULT_KILL_AFTER_TAKE)
-        batch = [taken for taken in jobs if self._batchable(taken)]
+        batch: list[Job] = []
+        alone: list[Job] = []
+        for taken in jobs:
+            (batch if self._batchable(taken) else alone).append(taken)
         if batch:
             self.execute_batch(batch, queue)
-        for taken in jobs:
-            if not any(taken is batched for batched in batch):
-                self.execute_alone(taken, queue)
+        for taken in alone:
+            self.execute_alone(taken, queue)
 
     def execute_alone(self, job: Job, queue: Queue) -> None:
         """Run one job as RQ runs it: its function (`PayhookJob.func`)
