@@ -211,7 +211,8 @@ def find_meters(settings: Settings, redis_pid: int | None) -> Meters:
     """The postmaster of the benchmark's database, when it runs on this machine."""
     with connect(settings) as conn:
         row: Any = conn.execute("SELECT pg_backend_pid() AS pid").fetchone()
-    return Meters(redis=redis_pid, postmaster=parent_pid(row["pid"]))
+        # Asked while the backend is alive: once it has exited it has no parent.
+        return Meters(redis=redis_pid, postmaster=parent_pid(row["pid"]))
 
 
 def _direct(
